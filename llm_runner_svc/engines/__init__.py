@@ -1,0 +1,29 @@
+"""Engine registry. Backends are imported only when asked for, so `numpy` never pulls torch."""
+
+from __future__ import annotations
+
+import importlib
+
+from llm_runner_svc.engines.base import Engine
+from llm_runner_svc.errors import InvalidArgument
+from llm_runner_svc.models.spec import ModelConfig, ModelWeights
+
+_REGISTRY: dict[str, str] = {
+    "numpy": "llm_runner_svc.engines.numpy_engine:NumpyEngine",
+}
+
+
+def engine_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def create_engine(name: str, config: ModelConfig, weights: ModelWeights) -> Engine:
+    """Build the engine registered as `name`; an unknown name lists the valid ones."""
+    target = _REGISTRY.get(name)
+    if target is None:
+        raise InvalidArgument(
+            f"unknown engine {name!r}; valid engines: {', '.join(engine_names())}")
+    module_name, cls_name = target.split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    engine: Engine = cls(config, weights)
+    return engine

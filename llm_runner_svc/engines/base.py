@@ -1,0 +1,108 @@
+"""The engine interface: the tensor math behind the runtime.
+
+An engine owns the weights on its device, the paged KV pool, activation, logits and
+hidden-state staging buffers, and the sampler. The runtime owns everything else (which pages
+a request holds, which rows are in a step, when a request ends) and talks to the engine in
+plain Python values, so it never imports a tensor library.
+
+Call order: `preallocate(plan)` once, then any number of `prefill` / `decode`, each followed
+by `sample` (and optionally `logits`), then `close()`. Engines are not thread-safe: one
+runtime drives one engine from one thread.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llm_runner_svc.models.spec import ModelConfig
+
+GREEDY_TEMPERATURE = 1e-3
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What `preallocate` sizes every buffer for."""
+
+    max_batch: int  # rows in one decode step
+    max_seq: int  # positions per request, prompt included
+    page_size: int  # tokens per KV page
+    num_pages: int  # pages in the pool (page ids 0 .. num_pages-1)
+    prefill_chunk: int = 256  # prompt tokens per forward inside one prefill
+    hidden_layer: int | None = None  # accept_hidden_layer; None = hidden capture disabled
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """How to pick one row's next token. `uniform` is the row's random draw in [0, 1)."""
+
+    temperature: float
+    top_k: int  # 0 = whole vocabulary
+    top_p: float
+    uniform: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One request's input to a decode step."""
+
+    token_id: int  # the token fed at `position`
+    position: int
+    page_table: Sequence[int]  # page ids holding positions 0 .. position
+    capture_hidden: bool = False
+
+
+@dataclass(frozen=True)
+class HiddenStates:
+    """Captured states for a window of positions; arrays are the engine's host tensors."""
+
+    embeddings: Any  # [num_positions, hidden] layer-0 (token embedding) output
+    states: Any  # [num_positions, hidden] at the plan's hidden_layer
+    start_position: int
+
+
+class Engine(ABC):
+    """A decoder on one device. See the module docstring for the call order."""
+
+    name: str
+    config: ModelConfig
+
+    @abstractmethod
+    def preallocate(self, plan: EnginePlan) -> None:
+        """Claim every buffer for `plan`. Nothing on the step path allocates afterwards.
+        Calling it again with the same plan is a no-op; with another plan, an error."""
+
+    @abstractmethod
+    def prefill(self, token_ids: Sequence[int], start_pos: int, page_table: Sequence[int],
+                capture_hidden: bool = False) -> HiddenStates | None:
+        """Run positions start_pos .. start_pos+len-1 of one request, writing their KV into
+        the pages of `page_table`; leave the last position's logits in logits row 0.
+        Returns the captured states of the window when asked."""
+
+    @abstractmethod
+    def decode(self, rows: Sequence[DecodeRow]) -> list[HiddenStates | None]:
+        """One token per row; row i's logits land in logits row i. Returns, per row, its
+        captured states (None for rows that did not ask)."""
+
+    @abstractmethod
+    def sample(self, specs: Sequence[SampleSpec]) -> list[int]:
+        """Pick a token for logits rows 0 .. len(specs)-1. Applies logit bias in place."""
+
+    @abstractmethod
+    def logits(self, num_rows: int) -> Any:
+        """The float32 logits [num_rows, vocab] of the last forward; valid until the next one."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every buffer. Idempotent."""
+
+    def memory_bytes(self) -> int:
+        """Bytes held by preallocated buffers (weights excluded); 0 before preallocate."""
+        return 0

@@ -1,0 +1,73 @@
+"""Model loading: one entry point for every supported format.
+
+`load_model(None)` gives the embedded stories260K model; otherwise the format is taken from
+the path: a directory with config.json (Hugging Face), a `.gguf` file, or a llama2.c `.bin`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from llm_runner_svc.errors import InvalidArgument, NotFound
+from llm_runner_svc.models.chat import ChatTemplate
+from llm_runner_svc.models.spec import ModelConfig, ModelWeights
+from llm_runner_svc.models.tokenizer import Tokenizer
+
+EMBEDDED_DIR = Path(__file__).parent / "embedded" / "stories260K"
+EMBEDDED_NAME = "stories260K"
+
+
+@dataclass
+class Model:
+    """A loaded model: what it is, its host weights, its tokenizer and chat template."""
+
+    name: str
+    format: str
+    config: ModelConfig
+    weights: ModelWeights
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None = None
+
+
+def load_model(path: str | Path | None = None) -> Model:
+    """Load any supported checkpoint; raise NotFound or ModelFormatError (INVALID_ARGUMENT)."""
+    if path is None or str(path) in ("", EMBEDDED_NAME):
+        return _load_llama2c(EMBEDDED_DIR / "stories260K.bin", EMBEDDED_DIR / "tok512.bin",
+                             EMBEDDED_NAME)
+    p = Path(path)
+    if not p.exists():
+        raise NotFound(f"model path {str(p)!r} does not exist")
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            from llm_runner_svc.models.hf import load_hf
+
+            return load_hf(p)
+        raise InvalidArgument(f"{p}: a model directory needs a config.json (Hugging Face layout)")
+    if p.suffix == ".gguf":
+        from llm_runner_svc.models.gguf_loader import load_gguf
+
+        return load_gguf(p)
+    if p.suffix == ".bin":
+        tok = _find_llama2c_tokenizer(p)
+        return _load_llama2c(p, tok, p.stem)
+    raise InvalidArgument(
+        f"{p}: unknown model format (expected a .gguf file, a llama2.c .bin, "
+        "or a Hugging Face directory)")
+
+
+def _find_llama2c_tokenizer(model_path: Path) -> Path:
+    candidates = [model_path.with_name("tokenizer.bin"),
+                  *sorted(model_path.parent.glob("tok*.bin"))]
+    for c in candidates:
+        if c.is_file() and c != model_path:
+            return c
+    raise NotFound(f"{model_path}: no llama2.c tokenizer (tokenizer.bin or tok*.bin) beside it")
+
+
+def _load_llama2c(model_path: Path, tok_path: Path, name: str) -> Model:
+    from llm_runner_svc.models.llama2c import Llama2cTokenizer, load_checkpoint
+
+    cfg, weights = load_checkpoint(model_path)
+    tokenizer = Llama2cTokenizer(tok_path, cfg.vocab_size)
+    return Model(name=name, format="llama2c", config=cfg, weights=weights, tokenizer=tokenizer)

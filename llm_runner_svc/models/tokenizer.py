@@ -1,0 +1,68 @@
+"""Tokenizer interface and the incremental detokenizer used while streaming."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids. Implementations are immutable and thread-safe after construction."""
+
+    bos_id: int | None
+    eos_ids: tuple[int, ...]
+    vocab_size: int
+
+    @abstractmethod
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of `text`; a BOS id first when `add_bos` and the model has one."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int], after_bos: bool = False) -> str:
+        """Text of `ids`; `after_bos` says they follow a BOS (llama2.c drops a leading space)."""
+
+    def default_add_bos(self) -> bool:
+        """Whether a plain prompt gets a BOS (format-specific)."""
+        return self.bos_id is not None
+
+
+class StreamDecoder:
+    """Turns a growing list of ids into text deltas without splitting UTF-8 characters.
+
+    Keeps a small window: the text of ids[prefix:read] was already emitted; each push decodes
+    ids[prefix:] and emits what is new, holding back while the tail is an incomplete character.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, after_bos: bool) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+        self._after_bos = after_bos
+        self.text = ""
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """Append ids; return the text they complete (may be empty)."""
+        self._ids.extend(new_ids)
+        after_bos = self._after_bos and self._prefix == 0
+        old = self._tok.decode(self._ids[self._prefix:self._read], after_bos)
+        new = self._tok.decode(self._ids[self._prefix:], after_bos)
+        if new.endswith("\ufffd") or len(new) <= len(old):
+            return ""
+        delta = new[len(old):]
+        self._prefix = self._read
+        self._read = len(self._ids)
+        if self._prefix > 0:
+            self._after_bos = False
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emit whatever is held back (a trailing incomplete character becomes U+FFFD)."""
+        after_bos = self._after_bos and self._prefix == 0
+        old = self._tok.decode(self._ids[self._prefix:self._read], after_bos)
+        new = self._tok.decode(self._ids[self._prefix:], after_bos)
+        delta = new[len(old):] if new.startswith(old) else ""
+        self._prefix = self._read = len(self._ids)
+        self.text += delta
+        return delta

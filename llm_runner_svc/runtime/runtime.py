@@ -1,0 +1,272 @@
+"""The inference runtime: continuous batching over one engine.
+
+Requests are submitted from any thread; one thread calls `step()`. A step first applies
+cancellations (so a cancel lands at the top of the next step), then prefills requests that
+fit into free batch rows, then runs one decode step for every request that was already
+decoding. Joining and leaving happen only at these boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+
+from llm_runner_svc.engines.base import DecodeRow, Engine, EnginePlan, SampleSpec
+from llm_runner_svc.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    RunnerError,
+)
+from llm_runner_svc.models.tokenizer import StreamDecoder, Tokenizer
+from llm_runner_svc.runtime.config import RuntimeConfig
+from llm_runner_svc.runtime.kv import PagePool
+from llm_runner_svc.runtime.request import (
+    FinishReason,
+    GenerationRequest,
+    SequenceState,
+    StepEvent,
+)
+from llm_runner_svc.runtime.sampling import uniform_draw
+from llm_runner_svc.runtime.stops import StopMatcher
+
+log = logging.getLogger(__name__)
+
+
+class InferenceRuntime:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.max_seq = config.resolved_max_seq(engine.config.max_position)
+        pages_per_seq = -(-self.max_seq // config.page_size)
+        self.plan = EnginePlan(
+            max_batch=config.max_batch, max_seq=self.max_seq, page_size=config.page_size,
+            num_pages=config.max_batch * pages_per_seq, prefill_chunk=config.prefill_chunk,
+            hidden_layer=config.hidden_layer)
+        self.pages = PagePool(self.plan.num_pages, config.page_size)
+        self._eos = frozenset(engine.config.eos_ids) | frozenset(tokenizer.eos_ids)
+        self._lock = threading.Lock()
+        self._waiting: deque[SequenceState] = deque()
+        self._running: list[SequenceState] = []
+        self._seqs: dict[str, SequenceState] = {}
+        self._cancels: set[str] = set()
+        self._is_ready = False
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def preallocate(self) -> None:
+        """Claim the engine's buffers (KV pool, activations, logits, staging). Idempotent."""
+        self.engine.preallocate(self.plan)
+        self._is_ready = True
+
+    def close(self) -> None:
+        """Release the engine's buffers; requests still in flight are dropped. Idempotent."""
+        with self._lock:
+            for seq in list(self._seqs.values()):
+                self.pages.release(seq.pages)
+            self._seqs.clear()
+            self._waiting.clear()
+            self._running.clear()
+        self.engine.close()
+        self._is_ready = False
+
+    # ---- admission -------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting or self._cancels)
+
+    def admission_error(self, req: GenerationRequest) -> RunnerError | None:
+        """Why `req` cannot be served, or None. Cheap; allocates nothing."""
+        n = len(req.prompt_ids)
+        if n >= self.max_seq:
+            return InvalidArgument(
+                f"prompt has {n} tokens; maxSeq is {self.max_seq}, which leaves no room to "
+                "generate")
+        vocab = self.engine.config.vocab_size
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
+            return InvalidArgument(f"prompt holds a token id outside 0..{vocab - 1}")
+        bad = [t for t in req.sampling.logit_bias if t >= vocab]
+        if bad:
+            return InvalidArgument(f"logit_bias names token {bad[0]}, outside 0..{vocab - 1}")
+        if req.capture_hidden and self.config.hidden_layer is None:
+            return FailedPrecondition("hidden states were requested but this deployment "
+                                      "declares no hidden port (accept_hidden_layer unset)")
+        if req.request_id in self._seqs:
+            return FailedPrecondition(f"request id {req.request_id!r} is already in flight")
+        if len(self._waiting) >= self.config.max_waiting:
+            return ResourceExhausted(
+                f"waiting queue is full ({self.config.max_waiting} requests)")
+        return None
+
+    def submit(self, req: GenerationRequest) -> None:
+        """Queue `req`; it joins the batch at the next step with a free row."""
+        if not self._is_ready:
+            raise FailedPrecondition("runtime used before preallocate()")
+        with self._lock:
+            err = self.admission_error(req)
+            if err is not None:
+                raise err
+            after_bos = self.tokenizer.bos_id is not None and \
+                req.prompt_ids[-1] == self.tokenizer.bos_id
+            seq = SequenceState(req, StreamDecoder(self.tokenizer, after_bos),
+                                StopMatcher(req.stop))
+            self._seqs[req.request_id] = seq
+            self._waiting.append(seq)
+
+    def cancel(self, request_id: str) -> bool:
+        """Ask for `request_id` to end as cancelled at the top of the next step."""
+        with self._lock:
+            if request_id not in self._seqs:
+                return False
+            self._cancels.add(request_id)
+            return True
+
+    # ---- the loop --------------------------------------------------------------------
+    def step(self) -> list[StepEvent]:
+        """Run one step; return an event for every request that changed."""
+        with self._lock:
+            cancels, self._cancels = self._cancels, set()
+            for rid in cancels:
+                seq = self._seqs.get(rid)
+                if seq is not None:
+                    seq.latch(FinishReason.CANCELLED)
+            joins: list[SequenceState] = []
+            while self._waiting and len(self._running) + len(joins) < self.config.max_batch:
+                joins.append(self._waiting.popleft())
+            if cancels:
+                cancelled = [s for s in self._waiting if s.finish_reason is not None]
+                self._waiting = deque(s for s in self._waiting if s.finish_reason is None)
+            else:
+                cancelled = []
+        events: dict[str, StepEvent] = {}
+        decoding = [s for s in self._running if s.finish_reason is None]
+        for seq in [s for s in self._running if s.finish_reason is not None] + cancelled:
+            self._finish(seq, self._event(events, seq))
+        self._running = decoding
+        for seq in joins:
+            ev = self._event(events, seq)
+            if seq.finish_reason is None:
+                self._prefill(seq, ev)
+            if seq.finish_reason is None:
+                self._running.append(seq)
+            else:
+                self._finish(seq, ev)
+        if decoding:
+            self._decode(decoding, events)
+        return list(events.values())
+
+    def generate(self, req: GenerationRequest) -> Iterator[StepEvent]:
+        """Run `req` alone to its end, yielding its events. The runtime must be idle."""
+        if self.has_work:
+            raise FailedPrecondition("generate() needs an idle runtime; use submit()/step()")
+        self.submit(req)
+        while True:
+            for ev in self.step():
+                yield ev
+                if ev.finish_reason is not None:
+                    return
+
+    # ---- internals -------------------------------------------------------------------
+    @staticmethod
+    def _event(events: dict[str, StepEvent], seq: SequenceState) -> StepEvent:
+        rid = seq.req.request_id
+        ev = events.get(rid)
+        if ev is None:
+            ev = events[rid] = StepEvent(rid)
+        return ev
+
+    def _spec(self, seq: SequenceState) -> SampleSpec:
+        sp = seq.req.sampling
+        return SampleSpec(sp.temperature, sp.top_k, sp.top_p,
+                          uniform_draw(sp.seed, len(seq.output_ids)), sp.logit_bias or None)
+
+    def _prefill(self, seq: SequenceState, ev: StepEvent) -> None:
+        t0 = time.perf_counter()
+        seq.metrics.queue_ms = (t0 - seq.t_submit) * 1000.0
+        prompt = list(seq.req.prompt_ids)
+        try:
+            seq.pages.extend(self.pages.allocate(self.pages.pages_for(len(prompt))))
+            hidden = self.engine.prefill(prompt, 0, seq.pages, seq.req.capture_hidden)
+            token = self.engine.sample([self._spec(seq)])[0]
+        except RunnerError as exc:
+            seq.latch(FinishReason.ERROR, exc.message)
+            return
+        except Exception as exc:  # an engine bug fails this request only
+            log.exception("prefill failed for request %s", seq.req.request_id)
+            seq.latch(FinishReason.ERROR, f"internal error in prefill: {exc}")
+            return
+        if hidden is not None:
+            ev.hidden.append(hidden)
+        seq.t_first_token = time.perf_counter()
+        seq.metrics.prefill_ms = (seq.t_first_token - t0) * 1000.0
+        seq.metrics.ttft_ms = (seq.t_first_token - seq.t_submit) * 1000.0
+        seq.next_position = len(prompt)
+        self._accept(seq, token, ev)
+
+    def _decode(self, batch: list[SequenceState], events: dict[str, StepEvent]) -> None:
+        ps = self.config.page_size
+        for seq in batch:
+            if seq.next_position // ps >= len(seq.pages):
+                seq.pages.extend(self.pages.allocate(1))
+        rows = [DecodeRow(s.last_token, s.next_position, s.pages, s.req.capture_hidden)
+                for s in batch]
+        try:
+            hidden = self.engine.decode(rows)
+            tokens = self.engine.sample([self._spec(s) for s in batch])
+        except Exception as exc:
+            log.exception("decode step failed for %d requests", len(batch))
+            msg = exc.message if isinstance(exc, RunnerError) else f"internal error: {exc}"
+            for seq in batch:
+                seq.latch(FinishReason.ERROR, msg)
+                self._finish(seq, self._event(events, seq))
+            self._running = [s for s in self._running if s.finish_reason is None]
+            return
+        for seq, tok, hs in zip(batch, tokens, hidden, strict=True):
+            ev = self._event(events, seq)
+            if hs is not None:
+                ev.hidden.append(hs)
+            seq.next_position += 1
+            self._accept(seq, tok, ev)
+            if seq.finish_reason is not None:
+                self._finish(seq, ev)
+        self._running = [s for s in self._running if s.finish_reason is None]
+
+    def _accept(self, seq: SequenceState, token: int, ev: StepEvent) -> None:
+        """Take a sampled token: end on EOS, stop string or length, else stream it."""
+        seq.last_token = token
+        if token in self._eos and not seq.req.ignore_eos:
+            seq.latch(FinishReason.END_OF_SEQUENCE)
+            return
+        seq.output_ids.append(token)
+        seq.metrics.generated_tokens += 1
+        ev.token_ids.append(token)
+        text, is_stop = seq.stops.feed(seq.decoder.push([token]))
+        ev.text += text
+        if is_stop:
+            seq.latch(FinishReason.STOP_WORDS)
+        elif (len(seq.output_ids) >= seq.req.sampling.max_new_tokens
+              or seq.next_position >= self.max_seq):
+            seq.latch(FinishReason.MAX_LENGTH)
+
+    def _finish(self, seq: SequenceState, ev: StepEvent) -> None:
+        if seq.finish_reason is not FinishReason.STOP_WORDS:
+            ev.text += seq.stops.feed(seq.decoder.flush())[0] + seq.stops.flush()
+        if seq.t_first_token:
+            seq.metrics.decode_ms = (time.perf_counter() - seq.t_first_token) * 1000.0
+        self.pages.release(seq.pages)
+        with self._lock:
+            self._seqs.pop(seq.req.request_id, None)
+        ev.finish_reason = seq.finish_reason
+        ev.error = seq.error
+        ev.metrics = seq.metrics
