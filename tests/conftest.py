@@ -7,10 +7,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import make_runtime
 
-from llm_runner_svc.engines import create_engine
 from llm_runner_svc.models import Model, load_model
-from llm_runner_svc.runtime import InferenceRuntime, RuntimeConfig
+from llm_runner_svc.runtime import InferenceRuntime
 
 DATA = Path(__file__).parent / "data"
 
@@ -23,13 +23,6 @@ def stories() -> Model:
 @pytest.fixture(scope="session")
 def goldens() -> dict:
     return json.loads((DATA / "goldens" / "stories260K.json").read_text())
-
-
-def make_runtime(model: Model, **cfg) -> InferenceRuntime:
-    rt = InferenceRuntime(create_engine("numpy", model.config, model.weights), model.tokenizer,
-                          RuntimeConfig(**cfg))
-    rt.preallocate()
-    return rt
 
 
 @pytest.fixture

@@ -153,7 +153,7 @@ class InferenceRuntime:
         decoding = [s for s in self._running if s.finish_reason is None]
         for seq in [s for s in self._running if s.finish_reason is not None] + cancelled:
             self._finish(seq, self._event(events, seq))
-        self._running = decoding
+        self._running = list(decoding)  # joins below must not enter this step's decode
         for seq in joins:
             ev = self._event(events, seq)
             if seq.finish_reason is None:

@@ -1,0 +1,85 @@
+"""`llm-runner` command line: `generate` streams text for one prompt."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from llm_runner_svc.engines import create_engine, engine_names
+from llm_runner_svc.errors import RunnerError
+from llm_runner_svc.models import load_model
+from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    p.add_argument("prompt", help="prompt text (a user message with --chat)")
+    p.add_argument("--model", default=None,
+                   help="llama2.c .bin, .gguf file or Hugging Face directory "
+                        "(default: the embedded stories260K)")
+    p.add_argument("--engine", default="numpy", choices=engine_names())
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt in the model's chat template")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--max-seq", type=int, default=0, help="positions per request (0 = model's)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    model = load_model(args.model)
+    if args.chat:
+        if model.chat_template is None:
+            raise RunnerError(f"model {model.name} has no chat template; drop --chat")
+        text = model.chat_template.render([{"role": "user", "content": args.prompt}])
+        ids = model.tokenizer.encode(text, add_bos=False)
+    else:
+        ids = model.tokenizer.encode(args.prompt, add_bos=model.tokenizer.default_add_bos())
+    engine = create_engine(args.engine, model.config, model.weights)
+    runtime = InferenceRuntime(engine, model.tokenizer,
+                               RuntimeConfig(max_batch=1, max_seq=args.max_seq))
+    runtime.preallocate()
+    sampling = resolve(runtime.config.sampling, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, max_new_tokens=args.max_tokens, seed=args.seed)
+    request = GenerationRequest("cli", ids, sampling, stop=tuple(args.stop))
+    if not args.chat:
+        sys.stdout.write(args.prompt)
+    try:
+        for ev in runtime.generate(request):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+            if ev.finish_reason is not None:
+                sys.stdout.write("\n")
+                m = ev.metrics.as_dict() if ev.metrics else {}
+                stats = " ".join(f"{k}={v}" for k, v in m.items())
+                print(f"[{ev.finish_reason.value}] {stats}", file=sys.stderr)
+                if ev.error:
+                    print(f"error: {ev.error}", file=sys.stderr)
+                    return 1
+    finally:
+        runtime.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llm-runner", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "generate":
+            return _generate(args)
+    except RunnerError as exc:
+        print(f"llm-runner: {exc.code}: {exc.message}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
