@@ -13,11 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 MODEL_VOCAB = 320
 TOKENIZER_VOCAB = 300  # 256 byte tokens + specials + a few merges, below the model's vocab

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from llm_runner_svc.engines.base import DecodeRow, EnginePlan, SampleSpec
 from llm_runner_svc.engines.numpy_engine import NumpyEngine
@@ -15,8 +16,6 @@ from llm_runner_svc.errors import ModelFormatError, NotFound, Unimplemented
 from llm_runner_svc.models import load_model
 from llm_runner_svc.models.hf import HfTokenizer
 from llm_runner_svc.models.spec import RopeStyle
-
-torch = pytest.importorskip("torch")
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 
