@@ -141,17 +141,14 @@ class InferenceRuntime:
                 seq = self._seqs.get(rid)
                 if seq is not None:
                     seq.latch(FinishReason.CANCELLED)
-            joins: list[SequenceState] = []
-            while self._waiting and len(self._running) + len(joins) < self.config.max_batch:
-                joins.append(self._waiting.popleft())
+            ended = [s for s in (*self._running, *self._waiting) if s.finish_reason is not None]
             if cancels:
-                cancelled = [s for s in self._waiting if s.finish_reason is not None]
                 self._waiting = deque(s for s in self._waiting if s.finish_reason is None)
-            else:
-                cancelled = []
+            decoding = [s for s in self._running if s.finish_reason is None]
+            num_joins = min(len(self._waiting), self.config.max_batch - len(decoding))
+            joins = [self._waiting.popleft() for _ in range(num_joins)]
         events: dict[str, StepEvent] = {}
-        decoding = [s for s in self._running if s.finish_reason is None]
-        for seq in [s for s in self._running if s.finish_reason is not None] + cancelled:
+        for seq in ended:
             self._finish(seq, self._event(events, seq))
         self._running = list(decoding)  # joins below must not enter this step's decode
         for seq in joins:

@@ -187,3 +187,17 @@ def test_unknown_engine_lists_valid_ones(stories):
 
     with pytest.raises(InvalidArgument, match="valid engines: numpy"):
         create_engine("tensorflow", stories.config, stories.weights)
+
+
+def test_a_cancelled_row_is_refilled_in_the_same_step(stories):
+    rt = make_runtime(stories, max_batch=1, max_seq=64)
+    rt.submit(_req(stories, "a", max_new_tokens=50))
+    rt.submit(_req(stories, "b", temperature=0.0, max_new_tokens=50))
+    rt.step()
+    assert rt.num_running == 1 and rt.num_waiting == 1
+    rt.cancel("a")
+    events = {ev.request_id: ev for ev in rt.step()}
+    assert events["a"].finish_reason is FinishReason.CANCELLED
+    assert len(events["b"].token_ids) == 1  # prefilled in the row "a" left
+    assert rt.num_running == 1 and rt.num_waiting == 0
+    rt.close()
