@@ -58,7 +58,9 @@ class NumpyEngine(Engine):
             bias = (np.concatenate([lw.bq, lw.bk, lw.bv]).astype(np.float32)
                     if c.has_qkv_bias and lw.bq is not None and lw.bk is not None
                     and lw.bv is not None else None)
-            has_qk_norm = lw.q_norm is not None and lw.k_norm is not None
+            qk_norm = None
+            if lw.q_norm is not None and lw.k_norm is not None:
+                qk_norm = (lw.q_norm.astype(np.float32), lw.k_norm.astype(np.float32))
             self._layers.append(_Layer(
                 attn_norm=lw.attn_norm.astype(np.float32),
                 qkv_t=_in_out(qkv),
@@ -67,8 +69,7 @@ class NumpyEngine(Engine):
                 ffn_norm=lw.ffn_norm.astype(np.float32),
                 gate_up_t=_in_out(gate_up),
                 down_t=_in_out(lw.w_down),
-                qk_norm=(lw.q_norm.astype(np.float32), lw.k_norm.astype(np.float32))
-                if has_qk_norm and lw.q_norm is not None and lw.k_norm is not None else None,
+                qk_norm=qk_norm,
             ))
         self._plan: EnginePlan | None = None
         self._buffers_bytes = 0
