@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from llm_runner_svc.engines import create_engine, engine_names
-from llm_runner_svc.errors import RunnerError
+from llm_runner_svc.errors import InvalidArgument, RunnerError
 from llm_runner_svc.models import load_model
 from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
 
@@ -35,7 +35,7 @@ def _generate(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     if args.chat:
         if model.chat_template is None:
-            raise RunnerError(f"model {model.name} has no chat template; drop --chat")
+            raise InvalidArgument(f"model {model.name} has no chat template; drop --chat")
         text = model.chat_template.render([{"role": "user", "content": args.prompt}])
         ids = model.tokenizer.encode(text, add_bos=False)
     else:

@@ -28,7 +28,7 @@ def _in_out(w: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _Layer:
-    """One layer's weights as the forward uses them (transposed views, fused matrices)."""
+    """One layer's weights as the forward uses them ([in, out] copies, fused matrices)."""
 
     attn_norm: np.ndarray  # [hidden]
     qkv_t: np.ndarray  # [hidden, q_dim + 2 kv_dim]
