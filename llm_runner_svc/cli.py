@@ -1,4 +1,5 @@
-"""`llm-runner` command line: `generate` streams text for one prompt."""
+"""`llm-runner` command line: `generate` streams text for one prompt; `serve` runs the stage
+as a gRPC service."""
 
 from __future__ import annotations
 
@@ -66,15 +67,51 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the LlmRunner stage over gRPC")
+    p.add_argument("--config", default=None,
+                   help="stage deployment file (multistage_config.json style); default: the "
+                        "embedded stories260K model")
+    p.add_argument("--stage", default=None, help="stage id in --config (when it holds several)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=50051, help="port to bind (0 = any free port)")
+    p.add_argument("--max-message-mb", type=float, default=16.0,
+                   help="largest gRPC message accepted or sent, MiB")
+    p.add_argument("--grace-s", type=float, default=10.0,
+                   help="on SIGTERM, how long running requests may take before being cancelled")
+    p.add_argument("--slot-ttl-s", type=float, default=600.0,
+                   help="drop slots nobody touched for this long")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from llm_runner_svc.server import serve
+    from llm_runner_svc.stage import StageConfig, load_stage_config
+    from services.server import ServerOptions
+
+    config = StageConfig() if args.config is None else load_stage_config(args.config, args.stage)
+    try:
+        options = ServerOptions(host=args.host, port=args.port, grace_s=args.grace_s,
+                                max_message_bytes=int(args.max_message_mb * (1 << 20)))
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from exc
+    if args.slot_ttl_s <= 0:
+        raise InvalidArgument(f"--slot-ttl-s must be positive, got {args.slot_ttl_s}")
+    serve(config, options, args.slot_ttl_s)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llm-runner", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
     except RunnerError as exc:
         print(f"llm-runner: {exc.code}: {exc.message}", file=sys.stderr)
         return 2

@@ -50,3 +50,15 @@ class Unimplemented(RunnerError):
 
 class ModelFormatError(InvalidArgument):
     """A model file exists but is not a valid checkpoint of the format it claims."""
+
+
+class Unavailable(RunnerError):
+    """The service is draining or a dependency is down; retry elsewhere or later."""
+
+    code = "UNAVAILABLE"
+
+
+class Internal(RunnerError):
+    """A bug: an invariant broke. Never raised for bad input."""
+
+    code = "INTERNAL"

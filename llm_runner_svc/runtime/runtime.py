@@ -133,14 +133,30 @@ class InferenceRuntime:
             return True
 
     # ---- the loop --------------------------------------------------------------------
+    @property
+    def has_cancels(self) -> bool:
+        return bool(self._cancels)
+
+    def apply_cancels(self) -> list[StepEvent]:
+        """End the requests whose cancel is pending, without stepping anyone else.
+
+        For a caller that cannot step now (its readers are out of credit) but must still let
+        cancels land. Same thread as `step()`.
+        """
+        events: dict[str, StepEvent] = {}
+        with self._lock:
+            self._take_cancels()
+            ended = [s for s in (*self._running, *self._waiting) if s.finish_reason is not None]
+            self._waiting = deque(s for s in self._waiting if s.finish_reason is None)
+        for seq in ended:
+            self._finish(seq, self._event(events, seq))
+        self._running = [s for s in self._running if s.finish_reason is None]
+        return list(events.values())
+
     def step(self) -> list[StepEvent]:
         """Run one step; return an event for every request that changed."""
         with self._lock:
-            cancels, self._cancels = self._cancels, set()
-            for rid in cancels:
-                seq = self._seqs.get(rid)
-                if seq is not None:
-                    seq.latch(FinishReason.CANCELLED)
+            cancels = self._take_cancels()
             ended = [s for s in (*self._running, *self._waiting) if s.finish_reason is not None]
             if cancels:
                 self._waiting = deque(s for s in self._waiting if s.finish_reason is None)
@@ -175,6 +191,15 @@ class InferenceRuntime:
                     return
 
     # ---- internals -------------------------------------------------------------------
+    def _take_cancels(self) -> set[str]:
+        """Latch CANCELLED on every pending cancel; the caller holds the lock."""
+        cancels, self._cancels = self._cancels, set()
+        for rid in cancels:
+            seq = self._seqs.get(rid)
+            if seq is not None:
+                seq.latch(FinishReason.CANCELLED)
+        return cancels
+
     @staticmethod
     def _event(events: dict[str, StepEvent], seq: SequenceState) -> StepEvent:
         rid = seq.req.request_id

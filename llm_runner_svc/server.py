@@ -1,0 +1,58 @@
+"""The llm_runner_svc process: an LlmStage behind the Stage service.
+
+`create_stage_server(config, options)` builds and starts everything and returns the handle and
+stage (tests use port 0); `serve(config, options)` runs until SIGTERM and drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from llm_runner_svc.servicer import SERVICE_NAME, StageServicer
+from llm_runner_svc.stage import LlmStage, StageConfig
+from services.contract.llmstage.v1 import stage_pb2_grpc
+from services.server import ServerHandle, ServerOptions, create_server, serve_until_signal
+
+log = logging.getLogger(__name__)
+
+
+async def create_stage_server(config: StageConfig, options: ServerOptions,
+                              slot_ttl_s: float = 600.0) -> tuple[ServerHandle, LlmStage]:
+    """Load the model, preallocate, start the decode loop and the server."""
+    stage = LlmStage.create(config, slot_ttl_s)
+    await stage.start()
+    try:
+        handle = await create_server(
+            options, [(stage_pb2_grpc.add_StageServicer_to_server, StageServicer(stage),
+                       SERVICE_NAME)])
+    except BaseException:
+        await stage.close()
+        raise
+    return handle, stage
+
+
+async def stop_stage_server(handle: ServerHandle, stage: LlmStage, grace_s: float = 0.0) -> None:
+    """Drain (NOT_SERVING, running members finish or are cancelled), stop, release."""
+    await handle.set_serving(False)
+    await stage.drain(grace_s)
+    await handle.server.stop(grace=1.0)
+    await stage.close()
+
+
+async def _serve(config: StageConfig, options: ServerOptions, slot_ttl_s: float) -> None:
+    handle, stage = await create_stage_server(config, options, slot_ttl_s)
+    desc = stage.describe()
+    # The one line a launcher (or a person) reads to learn where the stage listens.
+    print(f"llm-runner: stage {desc.stage_id!r} ({desc.model.name}, engine {desc.engine}, "
+          f"maxBatch {desc.max_batch}, maxSeq {desc.max_seq}) listening on "
+          f"{options.host}:{handle.port}", flush=True)
+    try:
+        await serve_until_signal(handle, options, stage.drain)
+    finally:
+        await stage.close()
+    log.info("stopped")
+
+
+def serve(config: StageConfig, options: ServerOptions, slot_ttl_s: float = 600.0) -> None:
+    asyncio.run(_serve(config, options, slot_ttl_s))

@@ -1,0 +1,12 @@
+"""The LlmRunner stage: slots, admission, cohorts and the step loop over the runtime.
+
+No grpc here: the servicer translates the contract into calls on `LlmStage`.
+"""
+
+from llm_runner_svc.stage.config import StageConfig, load_stage_config
+from llm_runner_svc.stage.llm_stage import LlmStage
+from llm_runner_svc.stage.request import ChatTurn, StageRequest
+from llm_runner_svc.stage.slots import SlotState
+
+__all__ = ["ChatTurn", "LlmStage", "SlotState", "StageConfig", "StageRequest",
+           "load_stage_config"]

@@ -1,0 +1,112 @@
+"""Admission: the cheap checks that refuse a request before anything is allocated, prompt
+tokenization, and the runtime request that Prepare builds."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from enum import Enum
+
+from llm_runner_svc.errors import InvalidArgument
+from llm_runner_svc.models import Model
+from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, resolve
+from llm_runner_svc.stage.config import StageConfig
+from llm_runner_svc.stage.request import StageRequest
+from llm_runner_svc.stage.slots import Slot
+
+
+class Refusal(Enum):
+    PROMPT_TOO_LONG = "prompt_too_long"
+    NO_CAPACITY = "no_capacity"
+    SAMPLING_OUT_OF_RANGE = "sampling_out_of_range"
+    UNKNOWN_ADAPTER = "unknown_adapter"
+    MEDIA_UNSUPPORTED = "media_unsupported"
+    PORT_UNAVAILABLE = "port_unavailable"
+    TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
+    NO_CHAT_TEMPLATE = "no_chat_template"
+
+
+class Refused(Exception):
+    """Raised by the checks below; admission turns it into admitted=false."""
+
+    def __init__(self, refusal: Refusal, reason: str) -> None:
+        super().__init__(reason)
+        self.refusal = refusal
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Admission:
+    is_admitted: bool
+    refusal: Refusal | None = None
+    reason: str = ""
+    prompt_tokens: int = 0
+
+
+def check_request(config: StageConfig, model: Model, req: StageRequest, num_live: int) -> None:
+    """Refusals that need no tokenization, cheapest first. A prompt too large to tokenize
+    cheaply is malformed (INVALID_ARGUMENT), not refused."""
+    if req.text is not None and len(req.text.encode()) > config.max_prompt_bytes:
+        raise InvalidArgument(f"prompt text has {len(req.text.encode())} bytes; the limit is "
+                              f"{config.max_prompt_bytes}")
+    capacity = config.max_batch + config.max_waiting
+    if num_live >= capacity:
+        raise Refused(Refusal.NO_CAPACITY, f"the stage holds {num_live} requests, its limit "
+                      f"(maxBatch {config.max_batch} + {config.max_waiting} waiting)")
+    if req.lora:
+        raise Refused(Refusal.UNKNOWN_ADAPTER,
+                      f"LoRA adapter {req.lora!r} is unknown; this stage loads no adapters")
+    if req.num_media:
+        raise Refused(Refusal.MEDIA_UNSUPPORTED, f"the request carries {req.num_media} media "
+                      "item(s) and this stage has no perception engine")
+    for port in req.ports:
+        if port not in config.emits:
+            raise Refused(Refusal.PORT_UNAVAILABLE, f"port {port!r} is not declared by this "
+                          f"deployment (it emits {list(config.emits)})")
+    try:
+        resolve(config.sampling, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                max_new_tokens=req.max_tokens, logit_bias=req.logit_bias)
+    except InvalidArgument as exc:
+        raise Refused(Refusal.SAMPLING_OUT_OF_RANGE, exc.message) from exc
+    vocab = model.config.vocab_size
+    bad = [t for t in req.logit_bias if t >= vocab]
+    if bad:
+        raise Refused(Refusal.SAMPLING_OUT_OF_RANGE,
+                      f"logit_bias names token {bad[0]}, outside 0..{vocab - 1}")
+    if req.messages is not None and model.chat_template is None:
+        raise Refused(Refusal.NO_CHAT_TEMPLATE,
+                      f"model {model.name} has no chat template; send text or token_ids")
+
+
+def tokenize(model: Model, req: StageRequest) -> tuple[int, ...]:
+    tok = model.tokenizer
+    if req.token_ids is not None:
+        return req.token_ids
+    if req.messages is not None:
+        assert model.chat_template is not None
+        text = model.chat_template.render(
+            [{"role": m.role, "content": m.content} for m in req.messages])
+        return tuple(tok.encode(text, add_bos=False))
+    assert req.text is not None
+    return tuple(tok.encode(req.text, add_bos=tok.default_add_bos()))
+
+
+def check_prompt(model: Model, runtime: InferenceRuntime, prompt_ids: tuple[int, ...]) -> None:
+    if len(prompt_ids) >= runtime.max_seq:
+        raise Refused(Refusal.PROMPT_TOO_LONG, f"prompt has {len(prompt_ids)} tokens; maxSeq is "
+                      f"{runtime.max_seq}, which leaves no room to generate")
+    vocab = model.config.vocab_size
+    if max(prompt_ids) >= vocab:
+        raise Refused(Refusal.TOKEN_OUT_OF_VOCAB,
+                      f"prompt holds token id {max(prompt_ids)}, outside 0..{vocab - 1}")
+
+
+def build_runtime_request(runtime: InferenceRuntime, slot: Slot) -> tuple[GenerationRequest, int]:
+    """The runtime's request for a slot; an unset seed is drawn here and reported later."""
+    req = slot.request
+    seed = secrets.randbits(64) if req.seed is None else req.seed
+    sampling = resolve(runtime.config.sampling, temperature=req.temperature, top_k=req.top_k,
+                       top_p=req.top_p, max_new_tokens=req.max_tokens, seed=seed,
+                       logit_bias=req.logit_bias)
+    return GenerationRequest(slot.runtime_id, slot.prompt_ids, sampling, stop=req.stop,
+                             capture_hidden=req.wants_hidden, ignore_eos=req.ignore_eos), seed

@@ -1,0 +1,185 @@
+"""The stage's deployment file (multistage_config.json style), validated at load.
+
+    {"stages": [{"id": "thinker", "runner": "llm.backbone", "artifact": "stories260K",
+                 "engine": "numpy", "emits": ["text", "tokens"], "inputs": ["request:text"],
+                 "maxBatch": 8, "maxSeq": 512,
+                 "config": {"temperature": 0.7, "accept_hidden_layer": -1}}]}
+
+`artifact` is a model path (relative to the file) or a built-in name ("stories260K",
+"smollm2"); `config.checkpoint` is taken relative to it. Unknown keys, bad values, and keys this
+build cannot honour yet fail at load, naming the key and the rule.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llm_runner_svc.engines import engine_names
+from llm_runner_svc.errors import InvalidArgument, NotFound, RunnerError, Unimplemented
+from llm_runner_svc.runtime.sampling import SamplingDefaults
+
+RUNNER = "llm.backbone"
+_BUILTIN = ("stories260K", "smollm2")
+_STAGE_KEYS = {"id", "runner", "artifact", "engine", "emits", "inputs", "maxBatch", "maxSeq",
+               "config"}
+_INPUTS = ("request:text", "request:messages", "request:token_ids")
+_EMITS = ("text", "tokens", "hidden")
+# Seed keys this build cannot honour: present means refused, except the harmless "off" values.
+_NOT_YET = {
+    "multimodal_artifact": "no perception engine in this build",
+    "draft_checkpoint": "speculative decoding is not in this build",
+    "spec_decode": "speculative decoding is not in this build",
+    "visual_pruning": "no perception engine in this build",
+    "ple": "per-layer embeddings are not in this build",
+    "runtime_cache": "the TensorRT-RTX engine is not in this build",
+}
+
+
+class ConfigError(InvalidArgument):
+    """The deployment file breaks a rule."""
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """One stage of the deployment; every field has the value used when no file is given."""
+
+    stage_id: str = "backbone"
+    artifact: str = "stories260K"
+    engine: str = "numpy"
+    emits: tuple[str, ...] = ("text", "tokens")
+    inputs: tuple[str, ...] = _INPUTS
+    max_batch: int = 8
+    max_seq: int = 0  # 0 = min(model context, 2048)
+    accept_hidden_layer: int = -1
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    max_waiting: int = 256
+    max_prompt_bytes: int = 1 << 20  # text prompts above this are malformed, not refused
+
+    def __post_init__(self) -> None:
+        if self.max_batch <= 0:
+            raise ConfigError(f"maxBatch must be positive, got {self.max_batch}")
+        if self.max_seq < 0:
+            raise ConfigError(f"maxSeq must be >= 0, got {self.max_seq}")
+        if self.engine not in engine_names():
+            raise ConfigError(f"engine {self.engine!r} is unknown; valid: {engine_names()}")
+
+    @property
+    def has_hidden_port(self) -> bool:
+        return "hidden" in self.emits
+
+
+def load_stage_config(path: str | Path, stage_id: str | None = None) -> StageConfig:
+    """Read `path` and return the stage named `stage_id` (or the only llm.backbone stage)."""
+    p = Path(path)
+    if not p.is_file():
+        raise NotFound(f"stage config {str(p)!r} does not exist")
+    try:
+        doc = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict) or set(doc) != {"stages"} or not isinstance(doc["stages"], list):
+        raise ConfigError(f"{p}: the file must be an object with one key, 'stages' (a list)")
+    ours = [(i, s) for i, s in enumerate(doc["stages"])
+            if isinstance(s, dict) and s.get("runner") == RUNNER]
+    if stage_id is not None:
+        ours = [(i, s) for i, s in ours if s.get("id") == stage_id]
+    if len(ours) != 1:
+        which = f"id {stage_id!r} and " if stage_id else ""
+        raise ConfigError(f"{p}: expected one stage with {which}runner {RUNNER!r}, found "
+                          f"{len(ours)}" + ("" if stage_id else "; pick one with --stage"))
+    i, raw = ours[0]
+    try:
+        return _parse_stage(raw, p.parent)
+    except RunnerError as exc:
+        raise type(exc)(f"{p}: stages[{i}].{exc.message}") from exc
+
+
+def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
+    unknown = sorted(set(raw) - _STAGE_KEYS)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown key (valid: {sorted(_STAGE_KEYS)})")
+    sid = _typed(raw, "id", str, None)
+    if not sid:
+        raise ConfigError("id: required, a non-empty string")
+    artifact = _typed(raw, "artifact", str, "stories260K")
+    if artifact not in _BUILTIN and not Path(artifact).is_absolute():
+        artifact = str(base / artifact)
+    emits = tuple(_str_list(raw, "emits", ["text", "tokens"], _EMITS))
+    inputs = tuple(_str_list(raw, "inputs", list(_INPUTS), _INPUTS))
+    cfg = _typed(raw, "config", dict, {})
+    hidden_layer, sampling, checkpoint = _parse_runner_keys(cfg)
+    if checkpoint:
+        artifact = str(Path(artifact) / checkpoint) if artifact not in _BUILTIN else checkpoint
+    return StageConfig(
+        stage_id=sid, artifact=artifact, engine=_typed(raw, "engine", str, "numpy"),
+        emits=emits, inputs=inputs, max_batch=_typed(raw, "maxBatch", int, 8),
+        max_seq=_typed(raw, "maxSeq", int, 0), accept_hidden_layer=hidden_layer,
+        sampling=sampling)
+
+
+def _parse_runner_keys(cfg: Mapping[str, Any]) -> tuple[int, SamplingDefaults, str]:
+    known = {"checkpoint", "accept_hidden_layer", "max_generate_length", "temperature", "top_p",
+             "top_k", "lora_adapters", "context_cache", "offload_embedding", *_NOT_YET}
+    for key in cfg:
+        if key not in known:
+            raise ConfigError(f"config.{key}: unknown LlmRunner key (valid: {sorted(known)})")
+        if key in _NOT_YET:
+            raise Unimplemented(f"config.{key}: cannot be honoured: {_NOT_YET[key]}")
+    if cfg.get("lora_adapters"):
+        raise Unimplemented("config.lora_adapters: cannot be honoured: LoRA is not in this "
+                            "build (an empty object is accepted)")
+    cache = cfg.get("context_cache", {})
+    if not isinstance(cache, dict) or cache.get("enable_reuse"):
+        raise Unimplemented("config.context_cache: cannot be honoured: prefix reuse is not in "
+                            "this build (enable_reuse must be false)")
+    if cfg.get("offload_embedding", False) is not False:
+        raise Unimplemented("config.offload_embedding: cannot be honoured: only false is "
+                            "supported")
+    layer = _typed(cfg, "accept_hidden_layer", int, -1, prefix="config.")
+    if layer == 0 or layer < -1:
+        raise ConfigError(f"config.accept_hidden_layer: must be -1 (post-norm output) or k >= 1 "
+                          f"(output of decoder layer k-1), got {layer}")
+    d = SamplingDefaults()
+    temperature = _number(cfg, "temperature", d.temperature)
+    top_p = _number(cfg, "top_p", d.top_p)
+    try:
+        sampling = SamplingDefaults(
+            max_generate_length=_typed(cfg, "max_generate_length", int, d.max_generate_length,
+                                       prefix="config."),
+            temperature=temperature, top_p=top_p,
+            top_k=_typed(cfg, "top_k", int, d.top_k, prefix="config."))
+    except InvalidArgument as exc:
+        raise ConfigError(exc.message.replace("config: ", "config.")) from exc
+    return layer, sampling, _typed(cfg, "checkpoint", str, "", prefix="config.")
+
+
+def _typed(raw: Mapping[str, Any], key: str, kind: type, default: Any, prefix: str = "") -> Any:
+    if key not in raw:
+        return default
+    value = raw[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{prefix}{key}: must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def _number(raw: Mapping[str, Any], key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"config.{key}: must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _str_list(raw: Mapping[str, Any], key: str, default: list[str],
+              valid: tuple[str, ...]) -> list[str]:
+    value = raw.get(key, default)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{key}: must be a list of strings, got {value!r}")
+    for v in value:
+        if v not in valid:
+            raise ConfigError(f"{key}: {v!r} is not one of {list(valid)}")
+    return value

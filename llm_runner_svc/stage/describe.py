@@ -1,0 +1,43 @@
+"""The runner declaration Describe returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llm_runner_svc.models import Model
+from llm_runner_svc.runtime import InferenceRuntime, SamplingDefaults
+from llm_runner_svc.stage.config import RUNNER, StageConfig
+
+CONTRACT_VERSION = "llmstage.v1"
+
+
+@dataclass(frozen=True)
+class PortDecl:
+    name: str
+    dtype: str | None  # "float32", ... ; None for text and tokens
+    width: int
+
+
+@dataclass(frozen=True)
+class StageDescription:
+    contract_version: str
+    stage_id: str
+    runner: str
+    emits: tuple[PortDecl, ...]
+    inputs: tuple[str, ...]
+    max_batch: int
+    max_seq: int
+    max_step_window: int
+    engine: str
+    model: Model
+    sampling: SamplingDefaults
+
+
+def describe(config: StageConfig, model: Model, runtime: InferenceRuntime,
+             max_step_window: int) -> StageDescription:
+    widths = {"text": 0, "tokens": 0, "hidden": model.config.hidden_size}
+    dtypes = {"text": None, "tokens": "int32", "hidden": "float32"}
+    ports = tuple(PortDecl(p, dtypes[p], widths[p]) for p in config.emits)
+    return StageDescription(
+        CONTRACT_VERSION, config.stage_id, RUNNER, ports, config.inputs, config.max_batch,
+        runtime.max_seq, max_step_window, config.engine, model, config.sampling)

@@ -1,0 +1,55 @@
+"""What Diagnostics reports: per slot after Finish, and stage-wide counters."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from llm_runner_svc.stage.config import StageConfig
+from llm_runner_svc.stage.slots import Slot, SlotState
+
+if TYPE_CHECKING:
+    from llm_runner_svc.stage.llm_stage import LlmStage
+
+
+def slot_diagnostics(slot: Slot, config: StageConfig) -> dict[str, Any]:
+    """Keys owned by this stage; filled whether or not any profiling was on."""
+    req = slot.runtime_request
+    out: dict[str, Any] = {
+        "request_id": slot.request.request_id,
+        "finish_reason": slot.ended.value if slot.ended else None,
+        "tokens_in": len(slot.prompt_ids),
+        "tokens_out": len(slot.output_ids),
+        "prefix_cache_hits": 0,
+        "engine": config.engine,
+        "admit_ms": round(slot.admit_ms, 3),
+        "prepare_ms": round(slot.prepare_ms, 3),
+        "decode_steps": slot.num_steps,
+        "max_batch_size": slot.max_batch_size,
+        "mean_batch_size": round(slot.batch_size_sum / slot.num_steps, 3)
+        if slot.num_steps else 0.0,
+    }
+    if slot.error:
+        out["error"] = slot.error
+    if req is not None:
+        sp = req.sampling
+        out["sampling"] = {"temperature": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p,
+                           "max_tokens": sp.max_new_tokens, "seed": str(slot.seed)}
+    if slot.metrics is not None:
+        out["timings"] = slot.metrics.as_dict()
+    return out
+
+
+def stage_diagnostics(stage: LlmStage) -> dict[str, Any]:
+    slots = stage.slots
+    return {
+        "stage_id": stage.config.stage_id,
+        "slots": len(slots),
+        "slots_by_state": {s.value: slots.count(s) for s in SlotState},
+        "kv_pages_total": stage.runtime.pages.num_pages,
+        "kv_pages_free": stage.runtime.pages.num_free,
+        "running": stage.runtime.num_running,
+        "waiting": stage.runtime.num_waiting,
+        "cohorts": len(stage.loop.cohorts),
+        "steps": stage.loop.num_steps,
+        "draining": stage.is_draining,
+    }

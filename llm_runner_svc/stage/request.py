@@ -1,0 +1,81 @@
+"""What a caller asks of the LLM stage, as a domain type.
+
+Construction rejects malformed requests (INVALID_ARGUMENT): no prompt or two, NaN or infinite
+numbers, negative ids, empty stop strings. Well-formed values that this stage cannot serve
+(a long prompt, top_p 1.5, an unknown adapter) are not errors here; admission refuses them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from llm_runner_svc.errors import InvalidArgument
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+PORTS = ("text", "tokens", "hidden")
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class StageRequest:
+    request_id: str
+    text: str | None = None
+    messages: tuple[ChatTurn, ...] | None = None
+    token_ids: tuple[int, ...] | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    lora: str = ""
+    ports: tuple[str, ...] = ()
+    num_media: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("text", "messages", "token_ids") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise InvalidArgument("a request needs exactly one prompt: text, messages or "
+                                  f"token_ids (got {len(given)})")
+        if self.text is not None and not self.text:
+            raise InvalidArgument("prompt text is empty")
+        if self.messages is not None:
+            if not self.messages:
+                raise InvalidArgument("messages is empty: at least one message is required")
+            for i, turn in enumerate(self.messages):
+                if turn.role not in CHAT_ROLES:
+                    raise InvalidArgument(f"messages[{i}].role {turn.role!r} is not one of "
+                                          f"{sorted(CHAT_ROLES)}")
+        if self.token_ids is not None:
+            if not self.token_ids:
+                raise InvalidArgument("token_ids is empty: at least one token is required")
+            if min(self.token_ids) < 0:
+                raise InvalidArgument("token_ids holds a negative id")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise InvalidArgument(f"sampling.{name} must be a finite number, got {value}")
+        for tok, bias in self.logit_bias.items():
+            if tok < 0:
+                raise InvalidArgument(f"logit_bias key {tok} is negative; keys are token ids")
+            if math.isnan(bias) or bias == math.inf:
+                raise InvalidArgument(f"logit_bias for token {tok} is {bias}; it must be "
+                                      "finite or -inf")
+        if any(not s for s in self.stop):
+            raise InvalidArgument("stop strings must not be empty")
+        for port in self.ports:
+            if not port:
+                raise InvalidArgument("ports holds an empty name")
+
+    @property
+    def wants_hidden(self) -> bool:
+        return "hidden" in self.ports
