@@ -70,7 +70,8 @@ def validate(temperature: float, top_k: int, top_p: float, max_len: int, where: 
     if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
         raise InvalidArgument(f"{where}: top_p must be in (0, 1], got {top_p}")
     if max_len <= 0:
-        raise InvalidArgument(f"{where}: max generate length must be positive, got {max_len}")
+        name = "max_generate_length" if where == "config" else "max_tokens"
+        raise InvalidArgument(f"{where}: {name} must be positive, got {max_len}")
 
 
 def uniform_draw(seed: int, step: int) -> float:

@@ -169,9 +169,13 @@ def _typed(raw: Mapping[str, Any], key: str, kind: type, default: Any, prefix: s
 
 def _number(raw: Mapping[str, Any], key: str, default: float) -> float:
     value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(f"config.{key}: must be a finite number, got {value!r}")
-    return float(value)
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = math.nan
+    if isinstance(value, bool | str) or not math.isfinite(number):
+        raise ConfigError(f"config.{key}: must be a finite number, got {str(value)[:40]}")
+    return number
 
 
 def _str_list(raw: Mapping[str, Any], key: str, default: list[str],

@@ -34,10 +34,11 @@ def solo(stories: Model, spec: dict) -> tuple[list[int], str, str]:
         ids = stories.tokenizer.encode(text, add_bos=stories.tokenizer.default_add_bos())
     stop = tuple(spec.pop("stop", ()))
     max_tokens = spec.pop("max_tokens")
+    ignore_eos = spec.pop("ignore_eos", False)
     rt = make_runtime(stories, max_batch=1, max_seq=512)
     try:
         req = GenerationRequest("solo", ids, resolve(rt.config.sampling, max_new_tokens=max_tokens,
-                                                     **spec), stop=stop)
+                                                     **spec), stop=stop, ignore_eos=ignore_eos)
         tokens, out, reason = [], "", None
         for ev in rt.generate(req):
             tokens += ev.token_ids

@@ -142,7 +142,7 @@ def test_waiting_requests_join_when_rows_free(stories):
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-1), "top_k"),
-    (dict(max_new_tokens=0), "max generate length"),
+    (dict(max_new_tokens=0), "max_tokens must be positive"),
     (dict(logit_bias={5: math.nan}), "logit_bias"),
 ])
 def test_bad_sampling_values_are_refused(kw, match):
