@@ -80,10 +80,12 @@ class LlmStage:
         self.is_draining = True
 
     async def drain(self, grace_s: float) -> None:
-        """Wait up to `grace_s` for running members to end, then cancel the rest."""
+        """Refuse new work, wait up to `grace_s` for started requests to run to their end
+        (through Finish and Reset), then cancel whatever still decodes."""
         self.begin_drain()
         deadline = time.monotonic() + grace_s
-        while self._live_runs() and time.monotonic() < deadline:
+        while time.monotonic() < deadline and any(
+                s.state in (SlotState.RUNNING, SlotState.FINISHED) for s in self.slots):
             await asyncio.sleep(0.02)
         for slot in self._live_runs():
             self.runtime.cancel(slot.runtime_id)
@@ -143,8 +145,6 @@ class LlmStage:
         """Join more slots to a running stream; a slot that may not join is refused in-band."""
         for sid in join:
             try:
-                if sid in cohort.joined:
-                    raise InvalidArgument(f"slot {sid} already joined this stream")
                 self._enter(cohort, self.slots.require(sid, "Step"))
             except RunnerError as exc:
                 cohort.refuse(JoinRefusal(sid, exc.code, exc.message))
