@@ -78,3 +78,41 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 _wrap_stream(handler.unary_stream, method), **ser)
         return grpc.stream_stream_rpc_method_handler(
             _wrap_stream(handler.stream_stream, method), **ser)
+
+
+class ServiceError(Exception):
+    """Base of the errors services raise on purpose; `code` names the gRPC status."""
+
+    code = "UNKNOWN"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(ServiceError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(ServiceError):
+    code = "NOT_FOUND"
+
+
+class FailedPrecondition(ServiceError):
+    code = "FAILED_PRECONDITION"
+
+
+class ResourceExhausted(ServiceError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(ServiceError):
+    code = "UNAVAILABLE"
+
+
+class DeadlineExceeded(ServiceError):
+    code = "DEADLINE_EXCEEDED"
+
+
+class Cancelled(ServiceError):
+    code = "CANCELLED"

@@ -1,0 +1,1 @@
+"""The orchestrator: topologies, routes, cohorts, and the client-facing Orchestrator service."""

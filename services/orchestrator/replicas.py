@@ -1,0 +1,104 @@
+"""Stage replicas: channels, health, load, and the cohort streams open on each."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.contract.llmstage.v1 import stage_pb2 as pb
+from services.contract.llmstage.v1 import stage_pb2_grpc
+from services.errors import Unavailable
+from services.orchestrator.cohorts import CohortStream
+
+log = logging.getLogger(__name__)
+
+PROBE_INTERVAL_S = 0.5
+
+
+class Replica:
+    """One endpoint of a stage, as this orchestrator sees it."""
+
+    def __init__(self, stage_id: str, endpoint: str, max_message_bytes: int) -> None:
+        self.stage_id = stage_id
+        self.endpoint = endpoint
+        self.channel = grpc.aio.insecure_channel(endpoint, options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)])
+        self.stub = stage_pb2_grpc.StageStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.is_healthy = True
+        self.in_flight = 0
+        self.description: pb.DescribeResponse | None = None
+        # Slot ids: a random base keeps two orchestrators (or a restart) from colliding.
+        self._slot_ids = itertools.count(secrets.randbits(30) << 20)
+        self._cohorts: dict[str, CohortStream] = {}
+        self._probe: asyncio.Task[None] | None = None
+
+    def next_slot_id(self) -> int:
+        return next(self._slot_ids)
+
+    def cohort(self, fingerprint: str) -> CohortStream:
+        """The open cohort stream for this fingerprint, opened on first use."""
+        stream = self._cohorts.get(fingerprint)
+        if stream is None or stream.is_closed:
+            stream = CohortStream(self.stage_id, self.endpoint, self.stub,
+                                  lambda s, err: self._closed(fingerprint, s, err))
+            self._cohorts[fingerprint] = stream
+        return stream
+
+    def mark_down(self, why: str) -> None:
+        if self.is_healthy:
+            log.warning("replica %s of stage %s is down: %s", self.endpoint, self.stage_id, why)
+        self.is_healthy = False
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.get_running_loop().create_task(self._wait_healthy())
+
+    async def check(self, timeout: float = 2.0) -> bool:
+        try:
+            ans = await self._health.Check(health_pb2.HealthCheckRequest(service=""),
+                                           timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(ans.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+        for stream in list(self._cohorts.values()):
+            await stream.close()
+        await self.channel.close()
+
+    def _closed(self, fingerprint: str, stream: CohortStream,
+                error: grpc.aio.AioRpcError | None) -> None:
+        if self._cohorts.get(fingerprint) is stream:
+            del self._cohorts[fingerprint]
+        if error is not None and error.code() in (grpc.StatusCode.UNAVAILABLE,
+                                                  grpc.StatusCode.INTERNAL,
+                                                  grpc.StatusCode.UNKNOWN):
+            self.mark_down(f"{error.code().name}: {error.details()}")
+
+    async def _wait_healthy(self) -> None:
+        while not await self.check(timeout=1.0):
+            await asyncio.sleep(PROBE_INTERVAL_S)
+        log.info("replica %s of stage %s is back", self.endpoint, self.stage_id)
+        self.is_healthy = True
+
+
+class StagePool:
+    """The replicas of one stage; requests go to the least-loaded healthy one."""
+
+    def __init__(self, stage_id: str, endpoints: tuple[str, ...], max_message_bytes: int) -> None:
+        self.stage_id = stage_id
+        self.replicas = [Replica(stage_id, e, max_message_bytes) for e in endpoints]
+
+    def pick(self) -> Replica:
+        healthy = [r for r in self.replicas if r.is_healthy]
+        if not healthy:
+            raise Unavailable(f"no healthy replica of stage {self.stage_id} "
+                              f"({', '.join(r.endpoint for r in self.replicas)})")
+        return min(healthy, key=lambda r: r.in_flight)

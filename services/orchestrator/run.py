@@ -1,0 +1,180 @@
+"""One request's run through its route: Admit on every active stage in route order, Prepare,
+join each stage's cohort, stream the sink ports, then Finish, Diagnostics and Reset everywhere.
+
+Any ending (success, refusal, failure, cancel, deadline, client gone) leaves no slot behind:
+`cleanup()` finishes and resets whatever was admitted, and the caller runs it on every path
+that does not end in `_finish_all`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf import struct_pb2
+from google.protobuf.json_format import MessageToDict
+
+from services.contract.llmstage.v1 import orchestrator_pb2 as opb
+from services.contract.llmstage.v1 import stage_pb2 as pb
+from services.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    ResourceExhausted,
+    ServiceError,
+    Unavailable,
+)
+from services.orchestrator.cohorts import Item
+from services.orchestrator.replicas import Replica
+from services.orchestrator.routes import Route
+
+log = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT_S = 30.0  # a single control call when the caller set no deadline
+
+
+@dataclass
+class Placement:
+    """Where one stage of the route runs this request."""
+
+    stage_id: str
+    replica: Replica
+    slot_id: int
+    is_admitted: bool = False
+    has_joined: bool = False
+    is_ended: bool = False
+    is_released: bool = False
+    finish: pb.FinishResponse | None = None
+    diagnostics: dict[str, Any] = field(default_factory=dict)
+
+
+class RequestRun:
+    def __init__(self, request_id: str, request: pb.GenerationRequest, route: Route,
+                 placements: list[Placement], deadline: float | None) -> None:
+        self.request_id = request_id
+        self.request = request
+        self.route = route
+        self.placements = placements
+        self.deadline = deadline  # event-loop time, None = no deadline
+        self.is_cancelled = False
+        self._updates: asyncio.Queue[Item] = asyncio.Queue()
+
+    # ---- the happy path ----------------------------------------------------------------
+    async def events(self) -> Any:
+        """Deltas of the sink ports, then the final report (an async iterator of pb events)."""
+        sink_ports = {s.split(":", 1)[0]: s.split(":", 1)[1] for s in reversed(self.route.sinks)}
+        for p in self.placements:
+            ans = await self._call(p, p.replica.stub.Admit, pb.AdmitRequest(
+                slot_id=p.slot_id, request=self.request))
+            if not ans.admitted:
+                kind = ResourceExhausted if ans.refusal == pb.REFUSAL_NO_CAPACITY \
+                    else InvalidArgument
+                raise kind(f"stage {p.stage_id} refused the request "
+                           f"({pb.Refusal.Name(ans.refusal)}): {ans.reason}")
+            p.is_admitted = True
+        for p in self.placements:
+            await self._call(p, p.replica.stub.Prepare, pb.PrepareRequest(slot_id=p.slot_id))
+        if self.is_cancelled:
+            return
+        for p in self.placements:
+            p.replica.cohort(self.route.fingerprint).join(p.slot_id, self._updates)
+            p.has_joined = True
+        by_stage = {p.stage_id: p for p in self.placements}
+        while not all(p.is_ended for p in self.placements):
+            stage_id, item = await self._next_update()
+            if isinstance(item, ServiceError):
+                raise item
+            if item.status == pb.MEMBER_STATUS_ENDED:
+                by_stage[stage_id].is_ended = True
+            if stage_id in sink_ports and (item.token_ids or item.text):
+                yield opb.GenerateEvent(delta=opb.Delta(
+                    stage_id=stage_id, port=sink_ports[stage_id], token_ids=item.token_ids,
+                    text=item.text))
+        yield opb.GenerateEvent(final=await self._finish_all())
+
+    def cancel(self) -> None:
+        """Stop the request on every stage; its stream ends with finish reason CANCELLED."""
+        self.is_cancelled = True
+        for p in self.placements:
+            if p.has_joined and not p.is_ended:
+                asyncio.get_running_loop().create_task(self._quiet(
+                    p.replica.stub.Cancel(pb.CancelRequest(slot_id=p.slot_id), timeout=5.0)))
+
+    async def cleanup(self, reason: pb.FinishReason) -> None:
+        """Finish (with `reason`) and Reset every slot still held. Never raises."""
+        for p in self.placements:
+            if p.is_admitted and not p.is_released:
+                p.is_released = True
+                stub = p.replica.stub
+                await self._quiet(stub.Finish(pb.FinishRequest(slot_id=p.slot_id, reason=reason),
+                                              timeout=10.0))
+                await self._quiet(stub.Reset(pb.ResetRequest(slot_id=p.slot_id), timeout=5.0))
+            p.replica.cohort(self.route.fingerprint).leave(p.slot_id)
+
+    def final_cancelled(self) -> opb.GenerateEvent:
+        return opb.GenerateEvent(final=opb.FinalReport(
+            request_id=self.request_id, finish_reason=pb.FINISH_REASON_CANCELLED,
+            route=list(self.route.stages)))
+
+    # ---- internals ---------------------------------------------------------------------
+    def _remaining(self) -> float:
+        if self.deadline is None:
+            return CONTROL_TIMEOUT_S
+        left = self.deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise DeadlineExceeded(f"request {self.request_id}: deadline exceeded")
+        return left
+
+    async def _next_update(self) -> Item:
+        if self.deadline is None:
+            return await self._updates.get()
+        try:
+            return await asyncio.wait_for(self._updates.get(), self._remaining())
+        except TimeoutError:
+            raise DeadlineExceeded(f"request {self.request_id}: deadline exceeded while "
+                                   "generating") from None
+
+    async def _call(self, p: Placement, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, timeout=self._remaining())
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DeadlineExceeded(f"request {self.request_id}: deadline exceeded at stage "
+                                       f"{p.stage_id}") from None
+            if code == grpc.StatusCode.UNAVAILABLE:
+                p.replica.mark_down(exc.details() or "unavailable")
+                raise Unavailable(f"stage {p.stage_id} replica {p.replica.endpoint} is "
+                                  f"unavailable: {exc.details()}") from None
+            err = ServiceError(f"stage {p.stage_id}: {exc.details()}")
+            err.code = code.name
+            raise err from None
+
+    async def _finish_all(self) -> opb.FinalReport:
+        diagnostics = struct_pb2.Struct()
+        for p in self.placements:
+            p.finish = await self._call(p, p.replica.stub.Finish,
+                                        pb.FinishRequest(slot_id=p.slot_id))
+            diag = await self._call(p, p.replica.stub.Diagnostics,
+                                    pb.DiagnosticsRequest(slot_id=p.slot_id))
+            diagnostics.update({p.stage_id: MessageToDict(diag.values)})
+            await self._call(p, p.replica.stub.Reset, pb.ResetRequest(slot_id=p.slot_id))
+            p.is_released = True
+        first = self.placements[0].finish
+        sink_id = self.route.sink_stages()[0]
+        sink = next(p for p in self.placements if p.stage_id == sink_id).finish
+        assert first is not None and sink is not None
+        return opb.FinalReport(
+            request_id=self.request_id, finish_reason=sink.finish_reason, error=sink.error,
+            usage=opb.Usage(prompt_tokens=first.metrics.prompt_tokens,
+                            completion_tokens=len(sink.output_token_ids)),
+            diagnostics=diagnostics, route=list(self.route.stages))
+
+    @staticmethod
+    async def _quiet(call: Any) -> None:
+        try:
+            await call
+        except grpc.aio.AioRpcError as exc:
+            log.debug("cleanup call failed: %s", exc.details())

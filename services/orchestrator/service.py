@@ -1,0 +1,66 @@
+"""The Orchestrator servicer (translation only) and its server bootstrap."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.contract.llmstage.v1 import orchestrator_pb2 as opb
+from services.contract.llmstage.v1 import orchestrator_pb2_grpc
+from services.orchestrator.core import Orchestrator
+from services.orchestrator.topology import Topology
+from services.server import ServerHandle, ServerOptions, create_server, serve_until_signal
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = opb.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.orchestrator = orchestrator
+
+    async def Generate(self, request: opb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[opb.GenerateEvent]:
+        async for ev in self.orchestrator.generate(request, context.time_remaining()):
+            yield ev
+
+    async def Cancel(self, request: opb.CancelGenerateRequest,
+                     context: grpc.aio.ServicerContext) -> opb.CancelGenerateResponse:
+        return opb.CancelGenerateResponse(found=self.orchestrator.cancel(request.request_id))
+
+    async def Topology(self, request: opb.TopologyRequest, context: grpc.aio.ServicerContext
+                       ) -> opb.TopologyResponse:
+        return self.orchestrator.topology_pb()
+
+
+async def create_orchestrator_server(topology: Topology, options: ServerOptions,
+                                     wait_s: float = 30.0
+                                     ) -> tuple[ServerHandle, Orchestrator]:
+    """Check every stage (Describe), then serve the Orchestrator API."""
+    orchestrator = Orchestrator(topology, options.max_message_bytes)
+    try:
+        await orchestrator.start(wait_s)
+        handle = await create_server(options, [(
+            orchestrator_pb2_grpc.add_OrchestratorServicer_to_server,
+            OrchestratorServicer(orchestrator), SERVICE_NAME)])
+    except BaseException:
+        await orchestrator.close()
+        raise
+    return handle, orchestrator
+
+
+async def serve(topology: Topology, options: ServerOptions) -> None:
+    handle, orchestrator = await create_orchestrator_server(topology, options)
+    print(f"llm-stage: orchestrator listening on {options.host}:{handle.port} "
+          f"(stages: {', '.join(s.stage_id for s in topology.stages)})", flush=True)
+
+    async def drain(grace_s: float) -> None:
+        await handle.server.stop(grace=grace_s)
+
+    try:
+        await serve_until_signal(handle, options, drain)
+    finally:
+        await orchestrator.close()
