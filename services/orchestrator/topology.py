@@ -2,18 +2,22 @@
 
     {"stages": [{"id": "backbone", "runner": "llm.backbone",
                  "endpoints": ["127.0.0.1:50051"], "emits": ["text", "tokens"],
-                 "inputs": ["request:prompt"], "onMissing": "fail"}],
+                 "inputs": ["request:prompt"], "onMissing": "fail",
+                 "launch": {"config": "stage.json", "replicas": 2}}],
      "sinks": ["backbone:text"], "defaultSinks": ["backbone:text"],
      "maxRunning": 64, "maxQueued": 256}
 
-Validation at load names the rule broken: unknown key or runner or port, duplicate id, an input
+`launch` (optional) tells `llm-stage up` how to start the stage locally: `llm-runner serve` with
+that stage config file (relative to the topology file; the embedded default without one),
+`replicas` times, on free loopback ports that replace `endpoints`. Validation at load names the
+rule broken: unknown key or runner or port, duplicate id, an input
 with no source, a cycle, a sink no stage emits.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,8 @@ RUNNER_PORTS: dict[str, frozenset[str]] = {
     "llm.backbone": frozenset({"text", "tokens", "hidden"}),
 }
 REQUEST_FIELDS = frozenset({"prompt", "text", "messages", "token_ids"})
-_STAGE_KEYS = {"id", "runner", "endpoints", "emits", "inputs", "onMissing"}
+_STAGE_KEYS = {"id", "runner", "endpoints", "emits", "inputs", "onMissing", "launch"}
+_LAUNCH_KEYS = {"config", "stage", "replicas"}
 _TOP_KEYS = {"stages", "sinks", "defaultSinks", "maxRunning", "maxQueued"}
 
 
@@ -36,6 +41,9 @@ class StageSpec:
     emits: tuple[str, ...]
     inputs: tuple[str, ...]  # "request:field" or "stage:port"
     on_missing: str = "fail"  # or "skip"
+    launch_config: str | None = None  # stage config file for `llm-stage up`
+    launch_stage: str | None = None
+    launch_replicas: int = 0  # 0 = not launched locally
 
     def upstream(self) -> list[str]:
         return [i.split(":", 1)[0] for i in self.inputs if not i.startswith("request:")]
@@ -62,6 +70,13 @@ def single_stage(endpoints: list[str], stage_id: str = "backbone") -> Topology:
         "defaultSinks": [f"{stage_id}:text"]})
 
 
+def with_endpoints(topology: Topology, endpoints: dict[str, list[str]]) -> Topology:
+    """The same topology with the given stages' endpoints replaced (after a local launch)."""
+    stages = tuple(replace(s, endpoints=tuple(endpoints.get(s.stage_id, s.endpoints)))
+                   for s in topology.stages)
+    return replace(topology, stages=stages)
+
+
 def load_topology(path: str | Path) -> Topology:
     p = Path(path)
     if not p.is_file():
@@ -71,16 +86,16 @@ def load_topology(path: str | Path) -> Topology:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"{p}: not valid JSON: {exc}") from exc
     try:
-        return parse_topology(doc)
+        return parse_topology(doc, p.parent)
     except InvalidArgument as exc:
         raise InvalidArgument(f"{p}: {exc.message}") from exc
 
 
-def parse_topology(doc: Any) -> Topology:
+def parse_topology(doc: Any, base: Path | None = None) -> Topology:
     if not isinstance(doc, dict) or not isinstance(doc.get("stages"), list):
         raise InvalidArgument("a topology is an object with a 'stages' list")
     _no_unknown(doc, _TOP_KEYS, "topology")
-    stages = [_parse_stage(i, raw) for i, raw in enumerate(doc["stages"])]
+    stages = [_parse_stage(i, raw, base or Path.cwd()) for i, raw in enumerate(doc["stages"])]
     if not stages:
         raise InvalidArgument("stages: at least one stage is required")
     ids = [s.stage_id for s in stages]
@@ -116,7 +131,7 @@ def parse_topology(doc: Any) -> Topology:
     return Topology(tuple(ordered), sinks, defaults, limits["maxRunning"], limits["maxQueued"])
 
 
-def _parse_stage(i: int, raw: Any) -> StageSpec:
+def _parse_stage(i: int, raw: Any, base: Path) -> StageSpec:
     where = f"stages[{i}]"
     if not isinstance(raw, dict):
         raise InvalidArgument(f"{where}: must be an object")
@@ -128,8 +143,19 @@ def _parse_stage(i: int, raw: Any) -> StageSpec:
     if runner not in RUNNER_PORTS:
         raise InvalidArgument(f"{where}.runner: unknown runner {runner!r} "
                               f"(known: {sorted(RUNNER_PORTS)})")
-    endpoints = _str_list(raw, "endpoints", None, where)
-    if not endpoints:
+    launch = raw.get("launch")
+    if launch is not None:
+        if not isinstance(launch, dict):
+            raise InvalidArgument(f"{where}.launch: must be an object")
+        _no_unknown(launch, _LAUNCH_KEYS, f"{where}.launch")
+        replicas = launch.get("replicas", 1)
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+            raise InvalidArgument(f"{where}.launch.replicas: an integer >= 1, got {replicas!r}")
+        for key in ("config", "stage"):
+            if not isinstance(launch.get(key, ""), str):
+                raise InvalidArgument(f"{where}.launch.{key}: must be a string")
+    endpoints = _str_list(raw, "endpoints", [] if launch is not None else None, where)
+    if not endpoints and launch is None:
         raise InvalidArgument(f"{where}.endpoints: at least one host:port is required")
     emits = _str_list(raw, "emits", None, where)
     for port in emits:
@@ -144,7 +170,11 @@ def _parse_stage(i: int, raw: Any) -> StageSpec:
     on_missing = raw.get("onMissing", "fail")
     if on_missing not in ("fail", "skip"):
         raise InvalidArgument(f"{where}.onMissing: 'fail' or 'skip', got {on_missing!r}")
-    return StageSpec(sid, runner, tuple(endpoints), tuple(emits), tuple(inputs), on_missing)
+    config = (launch or {}).get("config")
+    return StageSpec(sid, runner, tuple(endpoints), tuple(emits), tuple(inputs), on_missing,
+                     launch_config=str(base / config) if config else None,
+                     launch_stage=(launch or {}).get("stage"),
+                     launch_replicas=(launch or {}).get("replicas", 1) if launch else 0)
 
 
 def _topological_order(by_id: dict[str, StageSpec]) -> list[StageSpec]:

@@ -6,8 +6,8 @@ import time
 
 import grpc
 import pytest
+from helpers import solo
 from stage_harness import StageServer
-from test_lifecycle import solo
 
 from llm_runner_svc.models import Model
 from services.contract.llmstage.v1 import stage_pb2 as pb

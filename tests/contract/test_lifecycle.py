@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 from google.protobuf.json_format import MessageToDict
-from helpers import make_runtime
+from helpers import solo
 from stage_harness import StageServer
 
 from llm_runner_svc.models import Model
-from llm_runner_svc.runtime import GenerationRequest, resolve
 from services.contract.llmstage.v1 import stage_pb2 as pb
 
 REASONS = {pb.FINISH_REASON_END_OF_SEQUENCE: "end_of_sequence",
@@ -24,29 +23,6 @@ REQUESTS = [
     dict(text="A little bird", temperature=0.8, seed=5, max_tokens=33),
     dict(token_ids=[1, 403, 407, 261, 378], temperature=0.6, seed=1234, max_tokens=45),
 ]
-
-
-def solo(stories: Model, spec: dict) -> tuple[list[int], str, str]:
-    """Tokens, text and finish reason of `spec` run alone in-process."""
-    spec = dict(spec)
-    text, ids = spec.pop("text", None), spec.pop("token_ids", None)
-    if ids is None:
-        ids = stories.tokenizer.encode(text, add_bos=stories.tokenizer.default_add_bos())
-    stop = tuple(spec.pop("stop", ()))
-    max_tokens = spec.pop("max_tokens")
-    ignore_eos = spec.pop("ignore_eos", False)
-    rt = make_runtime(stories, max_batch=1, max_seq=512)
-    try:
-        req = GenerationRequest("solo", ids, resolve(rt.config.sampling, max_new_tokens=max_tokens,
-                                                     **spec), stop=stop, ignore_eos=ignore_eos)
-        tokens, out, reason = [], "", None
-        for ev in rt.generate(req):
-            tokens += ev.token_ids
-            out += ev.text
-            reason = ev.finish_reason
-        return tokens, out, reason.value
-    finally:
-        rt.close()
 
 
 def finish_all(srv: StageServer, slots: list[int]) -> dict[int, tuple[pb.FinishResponse, dict]]:

@@ -1,0 +1,39 @@
+"""`python -m services.orchestrator --topology FILE [--host H] [--port P]`: serve the
+Orchestrator API over stages that already run (see `llm-stage up` to start them too)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from services.errors import ServiceError
+from services.orchestrator.service import serve
+from services.orchestrator.topology import load_topology
+from services.server import ServerOptions
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.orchestrator", description=__doc__)
+    parser.add_argument("--topology", required=True, help="topology file (JSON)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50050)
+    parser.add_argument("--max-message-mb", type=float, default=16.0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        options = ServerOptions(host=args.host, port=args.port,
+                                max_message_bytes=int(args.max_message_mb * (1 << 20)))
+        asyncio.run(serve(load_topology(args.topology), options))
+    except ServiceError as exc:
+        print(f"orchestrator: {exc.code}: {exc.message}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"orchestrator: INVALID_ARGUMENT: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

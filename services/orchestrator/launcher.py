@@ -1,0 +1,83 @@
+"""`llm-stage up`: a whole local deployment. Each launched stage replica is an `llm-runner
+serve` child process on a free loopback port; the orchestrator runs in this process. Ctrl-C (or
+SIGTERM) stops the orchestrator, then the children (each drains on SIGTERM)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from services.orchestrator.service import serve
+from services.orchestrator.topology import Topology, load_topology, single_stage, with_endpoints
+from services.server import ServerOptions
+
+log = logging.getLogger(__name__)
+
+_LISTENING = re.compile(r"listening on [\w.\-]+:(\d+)")
+
+
+class StageProcess:
+    """One `llm-runner serve` child."""
+
+    def __init__(self, config: str | None, stage: str | None, host: str) -> None:
+        cmd = [sys.executable, "-m", "llm_runner_svc", "serve", "--host", host, "--port", "0"]
+        if config:
+            cmd += ["--config", config]
+        if stage:
+            cmd += ["--stage", stage]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                                     env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        m = _LISTENING.search(line)
+        if m is None:
+            self.stop()
+            raise RuntimeError(f"stage process did not start (exit {self.proc.poll()}): "
+                               f"{line.strip()}")
+        self.endpoint = f"{host}:{m.group(1)}"
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def launch_stages(topology: Topology, host: str) -> tuple[Topology, list[StageProcess]]:
+    """Start every `launch` stage's replicas; return the topology with their endpoints."""
+    procs: list[StageProcess] = []
+    endpoints: dict[str, list[str]] = {}
+    try:
+        for spec in topology.stages:
+            for _ in range(spec.launch_replicas):
+                procs.append(StageProcess(spec.launch_config, spec.launch_stage, host))
+                endpoints.setdefault(spec.stage_id, []).append(procs[-1].endpoint)
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return with_endpoints(topology, endpoints), procs
+
+
+def up(topology_path: str | None, options: ServerOptions) -> None:
+    if topology_path is None:
+        procs = [StageProcess(None, None, options.host)]
+        topology = single_stage([procs[0].endpoint])
+    else:
+        topology, procs = launch_stages(load_topology(Path(topology_path)), options.host)
+    for p in procs:
+        print(f"llm-stage: stage process {p.proc.pid} on {p.endpoint}", flush=True)
+    try:
+        asyncio.run(serve(topology, options))
+    finally:
+        for p in procs:
+            p.stop()

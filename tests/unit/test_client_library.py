@@ -1,0 +1,237 @@
+"""llm_stage_client against a fake orchestrator on a loopback port: the requests it builds, the
+events it returns, deadlines, error mapping, cancel/topology, the asyncio client and the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+from llm_stage_client import AsyncClient, Client, Delta, FinalReport, StageClientError
+from llm_stage_client.cli import main
+from llm_stage_client.types import finish_reason_name
+
+from services.contract.llmstage.v1 import orchestrator_pb2 as opb
+from services.contract.llmstage.v1 import orchestrator_pb2_grpc
+from services.contract.llmstage.v1 import stage_pb2 as pb
+
+# (stage, port, token ids, text): the text and tokens ports of one stage carry the same text.
+DELTAS = [("backbone", "text", [5, 6], "Once"), ("backbone", "tokens", [5, 6], "Once"),
+          ("backbone", "text", [7], " upon"), ("backbone", "tokens", [7], " upon")]
+DIAGNOSTICS = {"backbone": {"seed": 7, "engine": "numpy"}}
+
+
+def bounded_by(remaining: float | None, timeout: float) -> bool:
+    """Whether the server saw a deadline of about `timeout` seconds at most. The slack: grpc
+    rounds the timeout it sends up to a few significant digits, and its server clock reads ~10 ms
+    past the client's."""
+    return remaining is not None and 0.0 < remaining <= timeout * 1.01 + 0.05
+
+
+class FakeOrchestrator(orchestrator_pb2_grpc.OrchestratorServicer):
+    """Records each GenerateRequest and its deadline; answers with canned events. Prompt
+    "overload" is RESOURCE_EXHAUSTED, prompt "fail" ends with finish reason ERROR."""
+
+    def __init__(self) -> None:
+        self.requests: list[opb.GenerateRequest] = []
+        self.remaining: list[float | None] = []
+
+    def Generate(self, request: opb.GenerateRequest, context: Any) -> Iterator[opb.GenerateEvent]:
+        self.requests.append(request)
+        self.remaining.append(context.time_remaining())
+        text = request.request.text
+        if text == "overload":
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "admission queue is full")
+        for stage, port, ids, delta_text in DELTAS:
+            if not request.sinks or f"{stage}:{port}" in request.sinks:
+                yield opb.GenerateEvent(delta=opb.Delta(stage_id=stage, port=port, token_ids=ids,
+                                                        text=delta_text))
+        failed = text == "fail"
+        final = opb.FinalReport(
+            request_id=request.request.request_id or "req-1",
+            finish_reason=pb.FINISH_REASON_ERROR if failed else pb.FINISH_REASON_MAX_LENGTH,
+            error="stage died" if failed else "", route=["backbone"],
+            usage=opb.Usage(prompt_tokens=3, completion_tokens=2))
+        final.diagnostics.update(DIAGNOSTICS)
+        yield opb.GenerateEvent(final=final)
+
+    def Cancel(self, request: opb.CancelGenerateRequest,
+               context: Any) -> opb.CancelGenerateResponse:
+        return opb.CancelGenerateResponse(found=request.request_id == "known")
+
+    def Topology(self, request: opb.TopologyRequest, context: Any) -> opb.TopologyResponse:
+        replica = opb.ReplicaInfo(endpoint="127.0.0.1:50051", healthy=True)
+        stage = opb.StageInfo(id="backbone", runner="llm.backbone", emits=["text", "tokens"],
+                              replicas=[replica])
+        return opb.TopologyResponse(stages=[stage], sinks=["backbone:text", "backbone:tokens"],
+                                    default_sinks=["backbone:text"], max_running=8, max_queued=32)
+
+
+@pytest.fixture
+def orch() -> Iterator[tuple[FakeOrchestrator, str]]:
+    fake = FakeOrchestrator()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield fake, f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+def test_request_fields_from_kwargs(orch: tuple[FakeOrchestrator, str]) -> None:
+    fake, target = orch
+    with Client(target) as client:
+        client.generate_text("Hi", temperature=0.0, seed=3, stop=["\n", "."], request_id="r1",
+                             sinks=["backbone:text"], ignore_eos=True)
+        req = fake.requests[-1]
+        assert req.request.WhichOneof("prompt") == "text" and req.request.text == "Hi"
+        sampling = req.request.sampling
+        # Set only when given: temperature 0 is a value, not "unset".
+        assert sampling.HasField("temperature") and sampling.temperature == 0.0
+        assert sampling.HasField("seed") and sampling.seed == 3
+        assert not any(sampling.HasField(f) for f in ("top_k", "top_p", "max_tokens"))
+        assert list(req.request.stop) == ["\n", "."] and list(req.sinks) == ["backbone:text"]
+        assert req.request.request_id == "r1" and req.request.ignore_eos
+
+        client.generate_text(token_ids=[1, 2, 3], top_k=4, top_p=0.5, max_tokens=9)
+        req = fake.requests[-1]
+        assert req.request.WhichOneof("prompt") == "token_ids"
+        assert list(req.request.token_ids.ids) == [1, 2, 3]
+        assert (req.request.sampling.top_k, req.request.sampling.top_p,
+                req.request.sampling.max_tokens) == (4, 0.5, 9)
+        assert not req.request.sampling.HasField("temperature")
+        assert not req.sinks and not req.request.stop and not req.request.ignore_eos
+
+        client.generate_text(messages=[("system", "Be brief."), ("user", "Hi")])
+        req = fake.requests[-1]
+        assert req.request.WhichOneof("prompt") == "messages"
+        assert [(m.role, m.content) for m in req.request.messages.messages] == [
+            ("system", "Be brief."), ("user", "Hi")]
+        assert req.request.sampling.ListFields() == []
+
+
+def test_exactly_one_prompt_fails_before_calling(orch: tuple[FakeOrchestrator, str]) -> None:
+    fake, target = orch
+    with Client(target) as client:
+        with pytest.raises(ValueError, match="exactly one"):
+            client.generate()
+        with pytest.raises(ValueError, match="prompt, token_ids"):
+            client.generate("Hi", token_ids=[1])
+        with pytest.raises(ValueError):
+            client.generate_text(token_ids=[1], messages=[("user", "Hi")])
+        with pytest.raises(TypeError):
+            client.generate("Hi", stop="\n")
+    assert fake.requests == []
+
+
+def test_events_convert_to_library_types(orch: tuple[FakeOrchestrator, str]) -> None:
+    _, target = orch
+    with Client(target) as client:
+        items = list(client.generate("Hi"))
+        text, report = client.generate_text("Hi", sinks=["backbone:text"])
+    assert items[0] == Delta("backbone", "text", (5, 6), "Once")
+    assert items[1] == Delta("backbone", "tokens", (5, 6), "Once")
+    assert len(items) == 5 and items[-1] == report
+    # Struct numbers come back as floats.
+    assert report == FinalReport(request_id="req-1", finish_reason="max_length", error="",
+                                 prompt_tokens=3, completion_tokens=2,
+                                 diagnostics={"backbone": {"seed": 7.0, "engine": "numpy"}},
+                                 route=("backbone",))
+    assert text == "Once upon"
+    assert [finish_reason_name(v) for v in range(6)] == [
+        "", "end_of_sequence", "max_length", "stop_words", "cancelled", "error"]
+
+
+def test_deadline_is_passed(orch: tuple[FakeOrchestrator, str]) -> None:
+    fake, target = orch
+    with Client(target) as client:
+        client.generate_text("Hi")
+    # Without a deadline grpc's sync server reports an effectively infinite time, not None.
+    assert fake.remaining[-1] is None or fake.remaining[-1] > 1e6
+    with Client(target, timeout=30.0) as client:
+        client.generate_text("Hi")
+        default = fake.remaining[-1]
+        client.generate_text("Hi", timeout=5.0)
+        override = fake.remaining[-1]
+    assert bounded_by(default, 30.0) and not bounded_by(default, 5.0)
+    assert bounded_by(override, 5.0)
+
+
+def test_errors_map_to_stage_client_error(orch: tuple[FakeOrchestrator, str]) -> None:
+    _, target = orch
+    with Client(target) as client, pytest.raises(StageClientError) as err:
+        client.generate_text("overload")
+    assert err.value.code == "RESOURCE_EXHAUSTED"
+    assert err.value.message == "admission queue is full"
+    with Client("127.0.0.1:1", timeout=5.0) as client, pytest.raises(StageClientError) as err:
+        client.topology()
+    assert err.value.code == "UNAVAILABLE"
+
+
+def test_cancel_and_topology(orch: tuple[FakeOrchestrator, str]) -> None:
+    _, target = orch
+    with Client(target) as client:
+        assert client.cancel("known") is True
+        assert client.cancel("other") is False
+        topo = client.topology()
+    assert topo["stages"][0]["id"] == "backbone"
+    assert topo["stages"][0]["replicas"][0]["healthy"] is True
+    assert topo["default_sinks"] == ["backbone:text"]
+    assert (topo["max_running"], topo["max_queued"], topo["running"], topo["queued"]) == (
+        8, 32, 0, 0)
+
+
+def test_async_client(orch: tuple[FakeOrchestrator, str]) -> None:
+    fake, target = orch
+
+    async def run() -> None:
+        async with AsyncClient(target, timeout=30.0) as client:
+            items = [item async for item in client.generate("Hi", temperature=0.5, timeout=5.0)]
+            text, report = await client.generate_text("Hi", sinks=["backbone:text"])
+            assert items[0] == Delta("backbone", "text", (5, 6), "Once")
+            assert items[-1] == report and report.finish_reason == "max_length"
+            assert text == "Once upon"
+            with pytest.raises(ValueError):
+                client.generate()
+            with pytest.raises(StageClientError) as err:
+                await client.generate_text("overload")
+            assert err.value.code == "RESOURCE_EXHAUSTED"
+            assert await client.cancel("known") is True
+            assert (await client.topology())["sinks"] == ["backbone:text", "backbone:tokens"]
+
+    asyncio.run(run())
+    first, second = fake.remaining[:2]
+    assert bounded_by(first, 5.0)
+    assert bounded_by(second, 30.0) and not bounded_by(second, 5.0)
+    assert fake.requests[0].request.sampling.temperature == 0.5
+
+
+def test_cli_generate(orch: tuple[FakeOrchestrator, str], capsys: pytest.CaptureFixture[str],
+                      monkeypatch: pytest.MonkeyPatch) -> None:
+    fake, target = orch
+    monkeypatch.setenv("LLM_STAGE_TARGET", target)
+    assert main(["generate", "--temperature", "0", "--max-tokens", "4", "--stop", "x",
+                 "--stop", "y", "--timeout", "5", "--request-id", "cli-1", "Hi"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "Once upon\n"  # the first sink only: the tokens port's text is not doubled
+    report = json.loads(err.strip().splitlines()[-1])
+    assert report["finish_reason"] == "max_length" and report["request_id"] == "cli-1"
+    assert report["diagnostics"] == {"backbone": {"seed": 7.0, "engine": "numpy"}}
+    req = fake.requests[-1].request
+    assert req.text == "Hi" and list(req.stop) == ["x", "y"]
+    assert req.sampling.temperature == 0.0 and req.sampling.max_tokens == 4
+    assert not req.sampling.HasField("seed")
+    assert bounded_by(fake.remaining[-1], 5.0)
+
+    assert main(["generate", "--target", target, "fail"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(err.strip().splitlines()[-1])["error"] == "stage died"
+
+    assert main(["generate", "--target", target, "overload"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "llm-stage: RESOURCE_EXHAUSTED: admission queue is full" in err
