@@ -1,0 +1,19 @@
+"""Client library for the llm-runner-svc orchestrator.
+
+`Client` (sync) and `AsyncClient` (asyncio) call `llmstage.v1.Orchestrator`; a generation
+streams `Delta`s and ends with one `FinalReport`; every failed call raises `StageClientError`.
+"""
+
+from llm_stage_client.aio import AsyncClient
+from llm_stage_client.client import DEFAULT_TARGET, Client
+from llm_stage_client.types import Delta, FinalReport, GenerateOptions, StageClientError
+
+__all__ = [
+    "DEFAULT_TARGET",
+    "AsyncClient",
+    "Client",
+    "Delta",
+    "FinalReport",
+    "GenerateOptions",
+    "StageClientError",
+]

@@ -1,0 +1,217 @@
+"""The library's own types and the conversions between them and the contract's messages.
+
+Callers only ever see `Delta`, `FinalReport` and `StageClientError`; the protobuf messages stay
+inside the library (`build_generate_request` and `event_from_pb` are for `client`/`aio`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from services.contract.llmstage.v1 import orchestrator_pb2 as opb
+from services.contract.llmstage.v1 import stage_pb2 as pb
+
+_FINISH_PREFIX = "FINISH_REASON_"
+
+
+class GenerateOptions(TypedDict, total=False):
+    """Keyword arguments of a generation besides the text prompt (see `build_generate_request`).
+
+    `token_ids` or `messages` ((role, content) pairs) replace the text prompt; the sampling
+    values replace the deployment defaults (None: keep the default); `sinks` are "stage:port"
+    names to stream (empty: the topology's default sinks).
+    """
+
+    token_ids: Sequence[int]
+    messages: Sequence[tuple[str, str]]
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    max_tokens: int | None
+    seed: int | None
+    stop: Sequence[str]
+    request_id: str
+    sinks: Sequence[str]
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of one sink port: the stage, the port, the new token ids and text."""
+
+    stage_id: str
+    port: str
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class FinalReport:
+    """The end of a request.
+
+    `finish_reason` is the contract's enum name in lowercase without its prefix
+    ("end_of_sequence", "max_length", "stop_words", "cancelled", "error"; "" when unspecified).
+    `diagnostics` holds every active stage's diagnostics under its stage id; `route` the active
+    stages in route order.
+    """
+
+    request_id: str
+    finish_reason: str
+    error: str
+    prompt_tokens: int
+    completion_tokens: int
+    diagnostics: dict[str, Any]
+    route: tuple[str, ...]
+
+
+class StageClientError(Exception):
+    """A call failed: `code` is the gRPC status name ("RESOURCE_EXHAUSTED"), `message` its
+    details."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def error_from_rpc(exc: grpc.RpcError) -> StageClientError:
+    """The `StageClientError` for a failed call (sync or `grpc.aio`)."""
+    # Every RpcError a call raises is also a grpc.Call with code()/details(); the getattr guards
+    # keep a bare RpcError (raised by interceptors or channel setup) from masking the failure.
+    code_fn = getattr(exc, "code", None)
+    details_fn = getattr(exc, "details", None)
+    code = code_fn() if callable(code_fn) else None
+    details = details_fn() if callable(details_fn) else None
+    name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+    return StageClientError(name, details or str(exc))
+
+
+def _reject_str(name: str, value: Sequence[str]) -> None:
+    # A bare string is a Sequence[str] too; taking it letter by letter is never what was meant.
+    if isinstance(value, str):
+        raise TypeError(f"{name} takes a sequence of strings, not a string: use [{value!r}]")
+
+
+def build_generate_request(
+    *,
+    prompt: str | None = None,
+    token_ids: Sequence[int] | None = None,
+    messages: Sequence[tuple[str, str]] | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    max_tokens: int | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    request_id: str = "",
+    sinks: Sequence[str] = (),
+    ignore_eos: bool = False,
+) -> opb.GenerateRequest:
+    """The GenerateRequest for these arguments.
+
+    Exactly one of `prompt` (text), `token_ids` and `messages` ((role, content) pairs) must be
+    given. Each sampling value is set only when not None, so the deployment default applies
+    otherwise. `sinks` are "stage:port" names (empty: the topology's default sinks).
+
+    Raises ValueError when not exactly one prompt form is given or a value does not fit its
+    field (e.g. a negative seed), TypeError when `stop` or `sinks` is a bare string.
+    """
+    given = [name for name, value in (("prompt", prompt), ("token_ids", token_ids),
+                                      ("messages", messages)) if value is not None]
+    if len(given) != 1:
+        raise ValueError("give exactly one of prompt, token_ids, messages"
+                         + (f" (got {', '.join(given)})" if given else ""))
+    _reject_str("stop", stop)
+    _reject_str("sinks", sinks)
+
+    sampling = pb.SamplingOverrides()
+    if temperature is not None:
+        sampling.temperature = temperature
+    if top_k is not None:
+        sampling.top_k = top_k
+    if top_p is not None:
+        sampling.top_p = top_p
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
+    if seed is not None:
+        sampling.seed = seed
+    req = pb.GenerationRequest(request_id=request_id, sampling=sampling, stop=list(stop),
+                               ignore_eos=ignore_eos)
+    if prompt is not None:
+        req.text = prompt
+    elif token_ids is not None:
+        # SetInParent selects the oneof even for an empty list, so the server reports the empty
+        # prompt instead of "no prompt".
+        req.token_ids.SetInParent()
+        req.token_ids.ids.extend(token_ids)
+    elif messages is not None:
+        req.messages.SetInParent()
+        req.messages.messages.extend(pb.ChatMessage(role=role, content=content)
+                                     for role, content in messages)
+    return opb.GenerateRequest(request=req, sinks=list(sinks))
+
+
+def finish_reason_name(value: int) -> str:
+    """FINISH_REASON_MAX_LENGTH -> "max_length"; UNSPECIFIED -> ""."""
+    if value == pb.FINISH_REASON_UNSPECIFIED:
+        return ""
+    try:
+        name = pb.FinishReason.Name(value)
+    except ValueError:
+        # A newer server may send a reason this stub does not know; keep the number visible.
+        return f"unknown_{value}"
+    return name.removeprefix(_FINISH_PREFIX).lower()
+
+
+def delta_from_pb(delta: opb.Delta) -> Delta:
+    """The library's Delta for a contract Delta."""
+    return Delta(stage_id=delta.stage_id, port=delta.port, token_ids=tuple(delta.token_ids),
+                 text=delta.text)
+
+
+def report_from_pb(final: opb.FinalReport) -> FinalReport:
+    """The library's FinalReport for a contract FinalReport (Struct numbers become floats)."""
+    return FinalReport(
+        request_id=final.request_id,
+        finish_reason=finish_reason_name(final.finish_reason),
+        error=final.error,
+        prompt_tokens=final.usage.prompt_tokens,
+        completion_tokens=final.usage.completion_tokens,
+        diagnostics=dict(MessageToDict(final.diagnostics)),
+        route=tuple(final.route),
+    )
+
+
+def event_from_pb(event: opb.GenerateEvent) -> Delta | FinalReport | None:
+    """The Delta or FinalReport an event carries; None for an empty event (a newer oneof member
+    this stub does not know), which callers skip."""
+    kind = event.WhichOneof("event")
+    if kind == "delta":
+        return delta_from_pb(event.delta)
+    if kind == "final":
+        return report_from_pb(event.final)
+    return None
+
+
+def topology_from_pb(response: opb.TopologyResponse) -> dict[str, Any]:
+    """TopologyResponse as a dict with the proto's snake_case names and every field present
+    (zero counts included, so `running` and `queued` are always there)."""
+    return dict(MessageToDict(response, preserving_proto_field_name=True,
+                              always_print_fields_with_no_presence=True))
+
+
+def text_and_report(items: Sequence[Delta | FinalReport]) -> tuple[str, FinalReport]:
+    """The joined text of every delta and the final report of a whole Generate stream.
+
+    Raises StageClientError("UNKNOWN") when the stream ended without a final report.
+    """
+    reports = [item for item in items if isinstance(item, FinalReport)]
+    if not reports:
+        # The contract always ends a successful stream with one; a stream without it was cut.
+        raise StageClientError("UNKNOWN", "the Generate stream ended without a final report")
+    return "".join(item.text for item in items if isinstance(item, Delta)), reports[-1]
