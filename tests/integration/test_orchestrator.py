@@ -3,14 +3,17 @@ cancels and deadlines that reach every stage, queue limits, later-stage refusals
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from deployment import Deployment, collect, generate_request
+from deployment import Deployment, StageProc, collect, generate_request
 from helpers import solo
 
 from llm_runner_svc.models import Model
@@ -142,3 +145,38 @@ def test_refusal_at_a_later_stage_releases_earlier_admissions(tmp, stories: Mode
         assert len(tokens) == 12  # both sinks stream
     finally:
         dep.close()
+
+
+def test_start_refuses_ports_a_stage_cannot_produce(tmp) -> None:
+    stage = StageProc()  # serves text and tokens, no hidden port
+    try:
+        topo = tmp / "topology.json"
+        topo.write_text(json.dumps({"stages": [{
+            "id": "thinker", "runner": "llm.backbone", "endpoints": [stage.endpoint],
+            "emits": ["text", "tokens", "hidden"], "inputs": ["request:prompt"]}]}))
+        done = subprocess.run([sys.executable, "-m", "services.orchestrator", "--topology",
+                               str(topo), "--port", "0"], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 2
+        assert "FAILED_PRECONDITION" in done.stderr and "cannot produce port 'hidden'" \
+            in done.stderr
+    finally:
+        stage.stop()
+
+
+def test_bad_requests_get_clear_errors_and_leave_nothing(deployment: Deployment) -> None:
+    cases = [
+        (opb.GenerateRequest(), "request is required"),
+        (opb.GenerateRequest(request=pb.GenerationRequest(text="Hi"), sinks=["nope:text"]),
+         "not offered"),
+        (generate_request("Hi", temperature=float("nan")), "temperature"),
+        (generate_request("Hi", top_p=1.5), "SAMPLING_OUT_OF_RANGE"),
+        (opb.GenerateRequest(request=pb.GenerationRequest()), "exactly one prompt"),
+    ]
+    for req, needle in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            collect(deployment.stub.Generate(req, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert needle in err.value.details()
+    stats = deployment.all_stages[0].wait_idle()
+    assert stats["slots"] == 0 and deployment.topology()["running"] == 0
