@@ -43,6 +43,12 @@ class MemberStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEMBER_STATUS_UNSPECIFIED: _ClassVar[MemberStatus]
     MEMBER_STATUS_RUNNING: _ClassVar[MemberStatus]
     MEMBER_STATUS_ENDED: _ClassVar[MemberStatus]
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TRANSPORT_GRPC_BYTES: _ClassVar[Transport]
+    TRANSPORT_SHARED_MEMORY: _ClassVar[Transport]
 SLOT_STATE_UNSPECIFIED: SlotState
 SLOT_STATE_ADMITTED: SlotState
 SLOT_STATE_PREPARED: SlotState
@@ -66,6 +72,9 @@ REFUSAL_NO_CHAT_TEMPLATE: Refusal
 MEMBER_STATUS_UNSPECIFIED: MemberStatus
 MEMBER_STATUS_RUNNING: MemberStatus
 MEMBER_STATUS_ENDED: MemberStatus
+TRANSPORT_UNSPECIFIED: Transport
+TRANSPORT_GRPC_BYTES: Transport
+TRANSPORT_SHARED_MEMORY: Transport
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
@@ -236,11 +245,23 @@ class AdmitResponse(_message.Message):
     prompt_tokens: int
     def __init__(self, admitted: _Optional[bool] = ..., refusal: _Optional[_Union[Refusal, str]] = ..., reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
+class InputBinding(_message.Message):
+    __slots__ = ("input", "endpoint", "request_id")
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    input: str
+    endpoint: str
+    request_id: str
+    def __init__(self, input: _Optional[str] = ..., endpoint: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
 class PrepareRequest(_message.Message):
-    __slots__ = ("slot_id",)
+    __slots__ = ("slot_id", "inputs")
     SLOT_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
     slot_id: int
-    def __init__(self, slot_id: _Optional[int] = ...) -> None: ...
+    inputs: _containers.RepeatedCompositeFieldContainer[InputBinding]
+    def __init__(self, slot_id: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[InputBinding, _Mapping]]] = ...) -> None: ...
 
 class PrepareResponse(_message.Message):
     __slots__ = ("prompt_tokens", "sampling", "seed")
@@ -377,26 +398,50 @@ class CancelResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[SlotState, str]] = ..., was_running: _Optional[bool] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("request_id", "all_requests", "port")
+    __slots__ = ("request_id", "all_requests", "port", "transport")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ALL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     all_requests: bool
     port: str
-    def __init__(self, request_id: _Optional[str] = ..., all_requests: _Optional[bool] = ..., port: _Optional[str] = ...) -> None: ...
+    transport: Transport
+    def __init__(self, request_id: _Optional[str] = ..., all_requests: _Optional[bool] = ..., port: _Optional[str] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
+
+class ShmSlice(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ShmRegion(_message.Message):
+    __slots__ = ("name", "size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class HiddenStates(_message.Message):
-    __slots__ = ("start_position", "token_ids", "embeddings", "states")
+    __slots__ = ("start_position", "token_ids", "embeddings", "states", "embeddings_shm", "states_shm", "is_prefill")
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_SHM_FIELD_NUMBER: _ClassVar[int]
+    STATES_SHM_FIELD_NUMBER: _ClassVar[int]
+    IS_PREFILL_FIELD_NUMBER: _ClassVar[int]
     start_position: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     embeddings: _tensor_pb2.Tensor
     states: _tensor_pb2.Tensor
-    def __init__(self, start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., embeddings: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., states: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    embeddings_shm: ShmSlice
+    states_shm: ShmSlice
+    is_prefill: bool
+    def __init__(self, start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., embeddings: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., states: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., embeddings_shm: _Optional[_Union[ShmSlice, _Mapping]] = ..., states_shm: _Optional[_Union[ShmSlice, _Mapping]] = ..., is_prefill: _Optional[bool] = ...) -> None: ...
 
 class PortEnd(_message.Message):
     __slots__ = ("finish_reason", "error")
@@ -407,13 +452,15 @@ class PortEnd(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class SubscribeEvent(_message.Message):
-    __slots__ = ("request_id", "seq", "hidden", "end")
+    __slots__ = ("request_id", "seq", "hidden", "end", "region")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     hidden: HiddenStates
     end: PortEnd
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., end: _Optional[_Union[PortEnd, _Mapping]] = ...) -> None: ...
+    region: ShmRegion
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., end: _Optional[_Union[PortEnd, _Mapping]] = ..., region: _Optional[_Union[ShmRegion, _Mapping]] = ...) -> None: ...
