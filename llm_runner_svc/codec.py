@@ -12,6 +12,12 @@ from llm_runner_svc.runtime import FinishReason, RequestMetrics
 from llm_runner_svc.stage import ChatTurn, SlotState, StageRequest
 from llm_runner_svc.stage.admission import Admission, Refusal
 from llm_runner_svc.stage.describe import StageDescription
+from llm_runner_svc.stage.publish import (
+    EndMessage,
+    PortMessage,
+    RegionMessage,
+    TensorBytes,
+)
 from llm_runner_svc.stage.slots import Slot
 from llm_runner_svc.stage.stepping import CohortEvent
 from services.contract.llmstage.v1 import stage_pb2 as pb
@@ -32,7 +38,9 @@ _STATE_TO_PB: dict[SlotState, pb.SlotState] = {SlotState.ADMITTED: pb.SLOT_STATE
 _REFUSAL_TO_PB: dict[Refusal, pb.Refusal] = {
     r: pb.Refusal.Value("REFUSAL_" + r.name) for r in Refusal}
 _DTYPE_TO_PB = {None: tensor_pb2.DTYPE_UNSPECIFIED, "float32": tensor_pb2.DTYPE_FLOAT32,
-                "int32": tensor_pb2.DTYPE_INT32}
+                "float16": tensor_pb2.DTYPE_FLOAT16, "bfloat16": tensor_pb2.DTYPE_BFLOAT16,
+                "int32": tensor_pb2.DTYPE_INT32, "int64": tensor_pb2.DTYPE_INT64,
+                "uint8": tensor_pb2.DTYPE_UINT8}
 
 
 def reason_to_pb(reason: FinishReason | None) -> pb.FinishReason:
@@ -135,3 +143,26 @@ def struct_from(values: dict[str, Any]) -> struct_pb2.Struct:
     out = struct_pb2.Struct()
     out.update(values)
     return out
+
+
+def _tensor_to_pb(t: TensorBytes) -> tuple[tensor_pb2.Tensor, pb.ShmSlice | None]:
+    tensor = tensor_pb2.Tensor(dtype=_DTYPE_TO_PB[t.dtype], shape=list(t.shape),
+                               data=t.data or b"")
+    return tensor, None if t.data is not None else pb.ShmSlice(offset=t.offset, length=t.length)
+
+
+def port_message_to_pb(msg: PortMessage) -> pb.SubscribeEvent:
+    if isinstance(msg, RegionMessage):
+        return pb.SubscribeEvent(region=pb.ShmRegion(name=msg.name, size=msg.size))
+    if isinstance(msg, EndMessage):
+        reason = _REASON_TO_PB[FinishReason(msg.finish_reason)]
+        return pb.SubscribeEvent(request_id=msg.request_id, seq=msg.seq,
+                                 end=pb.PortEnd(finish_reason=reason, error=msg.error))
+    emb, emb_shm = _tensor_to_pb(msg.embeddings)
+    st, st_shm = _tensor_to_pb(msg.states)
+    hidden = pb.HiddenStates(start_position=msg.start_position, token_ids=msg.token_ids,
+                             embeddings=emb, states=st, is_prefill=msg.is_prefill)
+    if emb_shm is not None and st_shm is not None:
+        hidden.embeddings_shm.CopyFrom(emb_shm)
+        hidden.states_shm.CopyFrom(st_shm)
+    return pb.SubscribeEvent(request_id=msg.request_id, seq=msg.seq, hidden=hidden)

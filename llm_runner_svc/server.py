@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 async def create_stage_server(config: StageConfig, options: ServerOptions,
                               slot_ttl_s: float = 600.0) -> tuple[ServerHandle, LlmStage]:
     """Load the model, preallocate, start the decode loop and the server."""
-    stage = LlmStage.create(config, slot_ttl_s)
+    stage = LlmStage.create(config, slot_ttl_s, options.max_message_bytes)
     await stage.start()
     try:
         handle = await create_server(

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from llm_runner_svc import codec
-from llm_runner_svc.errors import InvalidArgument, RunnerError, Unimplemented
+from llm_runner_svc.errors import InvalidArgument, RunnerError
 from llm_runner_svc.stage import LlmStage
 from llm_runner_svc.stage.slots import check_slot_id
 from llm_runner_svc.stage.stepping import Cohort
@@ -106,5 +106,17 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext
                         ) -> AsyncIterator[pb.SubscribeEvent]:
-        raise Unimplemented("Subscribe: the hidden-state port is not served by this build yet")
-        yield  # pragma: no cover  (makes this an async generator)
+        target = request.WhichOneof("target")
+        if target is None or (target == "all_requests" and not request.all_requests):
+            raise InvalidArgument("Subscribe needs a request_id or all_requests = true")
+        request_id = request.request_id if target == "request_id" else None
+        if request.transport not in (pb.TRANSPORT_UNSPECIFIED, pb.TRANSPORT_GRPC_BYTES,
+                                     pb.TRANSPORT_SHARED_MEMORY):
+            raise InvalidArgument(f"transport {request.transport} is not a Transport value")
+        sub = self.stage.subscribe(request_id, request.port,
+                                   request.transport == pb.TRANSPORT_SHARED_MEMORY)
+        try:
+            while (msg := await sub.get()) is not None:
+                yield codec.port_message_to_pb(msg)
+        finally:
+            self.stage.unsubscribe(sub)

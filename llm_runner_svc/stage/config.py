@@ -26,7 +26,8 @@ from llm_runner_svc.runtime.sampling import SamplingDefaults
 RUNNER = "llm.backbone"
 _BUILTIN = ("stories260K", "smollm2")
 _STAGE_KEYS = {"id", "runner", "artifact", "engine", "emits", "inputs", "maxBatch", "maxSeq",
-               "config"}
+               "config", "ports"}
+_PORT_KEYS = {"policy", "buffer", "shmRingBytes"}
 _INPUTS = ("request:text", "request:messages", "request:token_ids")
 _EMITS = ("text", "tokens", "hidden")
 # Seed keys this build cannot honour: present means refused, except the harmless "off" values.
@@ -59,12 +60,20 @@ class StageConfig:
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     max_waiting: int = 256
     max_prompt_bytes: int = 1 << 20  # text prompts above this are malformed, not refused
+    hidden_policy: str = "block"  # a full subscriber buffer: "block" the producer or "disconnect"
+    hidden_buffer: int = 64  # messages per subscriber
+    shm_ring_bytes: int = 64 << 20  # shared-memory ring per subscriber using that transport
 
     def __post_init__(self) -> None:
         if self.max_batch <= 0:
             raise ConfigError(f"maxBatch must be positive, got {self.max_batch}")
         if self.max_seq < 0:
             raise ConfigError(f"maxSeq must be >= 0, got {self.max_seq}")
+        if self.hidden_policy not in ("block", "disconnect"):
+            raise ConfigError(f"ports.hidden.policy: 'block' or 'disconnect', got "
+                              f"{self.hidden_policy!r}")
+        if self.hidden_buffer <= 0 or self.shm_ring_bytes < 4096:
+            raise ConfigError("ports.hidden: buffer must be positive and shmRingBytes >= 4096")
         if self.engine not in engine_names():
             raise ConfigError(f"engine {self.engine!r} is unknown; valid: {engine_names()}")
 
@@ -113,13 +122,25 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
     inputs = tuple(_str_list(raw, "inputs", list(_INPUTS), _INPUTS))
     cfg = _typed(raw, "config", dict, {})
     hidden_layer, sampling, checkpoint = _parse_runner_keys(cfg)
+    ports = _typed(raw, "ports", dict, {})
+    if set(ports) - {"hidden"}:
+        raise ConfigError(f"ports: only 'hidden' takes settings, got {sorted(ports)}")
+    hidden = ports.get("hidden", {})
+    if not isinstance(hidden, dict):
+        raise ConfigError("ports.hidden: must be an object")
+    unknown_port_keys = sorted(set(hidden) - _PORT_KEYS)
+    if unknown_port_keys:
+        raise ConfigError(f"ports.hidden.{unknown_port_keys[0]}: unknown key (valid: "
+                          f"{sorted(_PORT_KEYS)})")
     if checkpoint:
         artifact = str(Path(artifact) / checkpoint) if artifact not in _BUILTIN else checkpoint
     return StageConfig(
         stage_id=sid, artifact=artifact, engine=_typed(raw, "engine", str, "numpy"),
         emits=emits, inputs=inputs, max_batch=_typed(raw, "maxBatch", int, 8),
         max_seq=_typed(raw, "maxSeq", int, 0), accept_hidden_layer=hidden_layer,
-        sampling=sampling)
+        sampling=sampling, hidden_policy=_typed(hidden, "policy", str, "block", "ports.hidden."),
+        hidden_buffer=_typed(hidden, "buffer", int, 64, "ports.hidden."),
+        shm_ring_bytes=_typed(hidden, "shmRingBytes", int, 64 << 20, "ports.hidden."))
 
 
 def _parse_runner_keys(cfg: Mapping[str, Any]) -> tuple[int, SamplingDefaults, str]:

@@ -12,7 +12,7 @@ from typing import Any
 from llm_runner_svc.engines import create_engine
 from llm_runner_svc.errors import FailedPrecondition, InvalidArgument, RunnerError, Unavailable
 from llm_runner_svc.models import Model, load_model
-from llm_runner_svc.runtime import FinishReason, InferenceRuntime, RuntimeConfig
+from llm_runner_svc.runtime import FinishReason, InferenceRuntime, RuntimeConfig, StepEvent
 from llm_runner_svc.stage.admission import (
     Admission,
     Refused,
@@ -24,6 +24,7 @@ from llm_runner_svc.stage.admission import (
 from llm_runner_svc.stage.config import StageConfig
 from llm_runner_svc.stage.describe import StageDescription, describe
 from llm_runner_svc.stage.diagnostics import slot_diagnostics, stage_diagnostics
+from llm_runner_svc.stage.publish import HiddenPublisher, Subscriber
 from llm_runner_svc.stage.request import StageRequest
 from llm_runner_svc.stage.slots import Slot, SlotState, SlotTable, check_slot_id
 from llm_runner_svc.stage.stepping import Cohort, JoinRefusal, StepLoop
@@ -38,7 +39,7 @@ class LlmStage:
     """The stage behind the Stage service. Call `start()` before use and `close()` after."""
 
     def __init__(self, config: StageConfig, model: Model, runtime: InferenceRuntime,
-                 slot_ttl_s: float = 600.0) -> None:
+                 slot_ttl_s: float = 600.0, max_message_bytes: int = 16 << 20) -> None:
         self.config = config
         self.model = model
         self.runtime = runtime
@@ -46,11 +47,15 @@ class LlmStage:
         self.slot_ttl_s = slot_ttl_s
         self.is_draining = False
         self._by_runtime_id: dict[str, Slot] = {}
-        self.loop = StepLoop(runtime, self._by_runtime_id.get, self._reap_orphan)
+        self.hidden = HiddenPublisher(config.hidden_policy, config.hidden_buffer,
+                                      max_message_bytes, config.shm_ring_bytes)
+        self.loop = StepLoop(runtime, self._by_runtime_id.get, self._reap_orphan,
+                             self._publish_hidden)
         self._reaper: asyncio.Task[None] | None = None
 
     @classmethod
-    def create(cls, config: StageConfig, slot_ttl_s: float = 600.0) -> LlmStage:
+    def create(cls, config: StageConfig, slot_ttl_s: float = 600.0,
+               max_message_bytes: int = 16 << 20) -> LlmStage:
         """Load the model and build the engine and runtime the config names."""
         model = load_model(config.artifact)
         engine = create_engine(config.engine, model.config, model.weights)
@@ -58,7 +63,7 @@ class LlmStage:
         runtime = InferenceRuntime(engine, model.tokenizer, RuntimeConfig(
             max_batch=config.max_batch, max_seq=config.max_seq, max_waiting=config.max_waiting,
             hidden_layer=hidden, sampling=config.sampling))
-        return cls(config, model, runtime, slot_ttl_s)
+        return cls(config, model, runtime, slot_ttl_s, max_message_bytes)
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -73,6 +78,7 @@ class LlmStage:
             self._reaper.cancel()
             self._reaper = None
         await self.loop.close()
+        await self.hidden.close()
         self.runtime.close()
 
     def begin_drain(self) -> None:
@@ -215,7 +221,35 @@ class LlmStage:
         self.slots.remove(slot_id)
         return True
 
+    def subscribe(self, request_id: str | None, port: str, use_shm: bool) -> Subscriber:
+        """A subscription to the hidden port of one request (it may not exist yet) or all."""
+        if port != "hidden":
+            raise InvalidArgument(f"port {port!r} cannot be subscribed to (only 'hidden')")
+        if not self.config.has_hidden_port:
+            raise FailedPrecondition("this deployment declares no hidden port (add 'hidden' to "
+                                     "emits)")
+        if request_id == "":
+            raise InvalidArgument("Subscribe needs a request_id or all_requests")
+        return self.hidden.subscribe(request_id, use_shm)
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        self.hidden.unsubscribe(sub)
+
     # ---- internals -------------------------------------------------------------------
+    async def _publish_hidden(self, pairs: list[tuple[Slot, StepEvent]]) -> None:
+        for slot, ev in pairs:
+            if not slot.request.wants_hidden:
+                continue
+            rid = slot.request.request_id
+            tokens = (*slot.prompt_ids, *slot.output_ids)
+            for hs in ev.hidden:
+                n = hs.states.shape[0]
+                await self.hidden.publish(
+                    rid, hs.start_position, list(tokens[hs.start_position:hs.start_position + n]),
+                    hs.embeddings, hs.states, hs.start_position < len(slot.prompt_ids))
+            if ev.finish_reason is not None:
+                await self.hidden.end(rid, ev.finish_reason.value, ev.error)
+
     def _enter(self, cohort: Cohort, slot: Slot) -> None:
         assert slot.runtime_request is not None
         self.runtime.submit(slot.runtime_request)

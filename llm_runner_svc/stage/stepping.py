@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -133,12 +133,14 @@ class StepLoop:
     """Drives `runtime.step()` for every cohort of the stage."""
 
     def __init__(self, runtime: InferenceRuntime, resolve: Callable[[str], Slot | None],
-                 on_orphan_end: Callable[[Slot], None]) -> None:
+                 on_orphan_end: Callable[[Slot], None],
+                 publish: Callable[[list[tuple[Slot, StepEvent]]], Awaitable[None]]) -> None:
         self.runtime = runtime
         self.cohorts: set[Cohort] = set()
         self.num_steps = 0
         self._resolve = resolve
         self._on_orphan_end = on_orphan_end
+        self._publish = publish  # hidden states; may hold the loop (a blocking subscriber)
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="decode")
         self._task: asyncio.Task[None] | None = None
@@ -166,7 +168,7 @@ class StepLoop:
                 if any(c.is_blocked for c in self.cohorts):
                     if not self.runtime.has_cancels:
                         break  # a grant, join or cancel wakes us
-                    self._dispatch(self.runtime.apply_cancels())
+                    await self._publish(self._dispatch(self.runtime.apply_cancels()))
                     continue
                 try:
                     events = await loop.run_in_executor(self._executor, self.runtime.step)
@@ -175,10 +177,12 @@ class StepLoop:
                     for cohort in list(self.cohorts):
                         cohort.fail(Internal(f"decode loop failed: {exc}"))
                     break
-                self._dispatch(events)
+                await self._publish(self._dispatch(events))
 
-    def _dispatch(self, events: list[StepEvent]) -> None:
+    def _dispatch(self, events: list[StepEvent]) -> list[tuple[Slot, StepEvent]]:
+        """Route the runtime's events to their slots and cohorts; return (slot, event)."""
         self.num_steps += 1
+        pairs: list[tuple[Slot, StepEvent]] = []
         batch_size = sum(1 for ev in events if ev.token_ids)
         updates: dict[Cohort, list[MemberUpdate]] = {}
         for ev in events:
@@ -186,6 +190,7 @@ class StepLoop:
             if slot is None:
                 log.error("step event for unknown request %s", ev.request_id)
                 continue
+            pairs.append((slot, ev))
             slot.output_ids.extend(ev.token_ids)
             if ev.text:
                 slot.output_text.append(ev.text)
@@ -208,3 +213,4 @@ class StepLoop:
         for cohort, members in updates.items():
             cohort.deliver(CohortEvent(self.num_steps, members))
             cohort.maybe_end()
+        return pairs

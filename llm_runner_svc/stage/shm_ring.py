@@ -1,0 +1,64 @@
+"""The shared-memory ring of one subscription (TRANSPORT_SHARED_MEMORY in stage.proto).
+
+Layout: a 64-byte header of little-endian uint64 words ([0] data capacity, [1] bytes written,
+[2] bytes consumed: the consumer's release mark), then the data area. Positions are absolute
+byte counts; a slice lies at data[pos % capacity] and never wraps (the producer skips the tail
+when a slice would not fit before the end). Single producer (this stage), single consumer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+import uuid
+from multiprocessing import shared_memory
+
+HEADER_BYTES = 64
+_WORDS = struct.Struct("<3Q")
+
+
+class ShmRing:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.name = f"llmstage-{uuid.uuid4().hex[:16]}"
+        self._shm = shared_memory.SharedMemory(self.name, create=True,
+                                               size=HEADER_BYTES + capacity)
+        buf = self._shm.buf
+        assert buf is not None
+        self._buf: memoryview = buf
+        self._written = 0
+        _WORDS.pack_into(self._buf, 0, capacity, 0, 0)
+
+    @property
+    def size(self) -> int:
+        return HEADER_BYTES + self.capacity
+
+    @property
+    def consumed(self) -> int:
+        return int(_WORDS.unpack_from(self._buf, 0)[2])
+
+    def reserve(self, length: int) -> int | None:
+        """Where a slice of `length` bytes can go now, or None while the consumer lags."""
+        if length > self.capacity:
+            raise ValueError(f"a {length}-byte slice does not fit a {self.capacity}-byte ring")
+        start = self._written
+        if start % self.capacity + length > self.capacity:  # skip the tail: slices never wrap
+            start += self.capacity - start % self.capacity
+        if start + length - self.consumed > self.capacity:
+            return None
+        return start
+
+    def write(self, start: int, data: memoryview | bytes) -> None:
+        """Copy `data` at `start` (from `reserve`) and publish the new write mark."""
+        at = HEADER_BYTES + start % self.capacity
+        self._buf[at:at + len(data)] = data
+        self._written = start + len(data)
+        struct.pack_into("<Q", self._buf, 8, self._written)
+
+    def close(self) -> None:
+        """Unlink the segment (a consumer that mapped it keeps its mapping)."""
+        self._buf.release()
+        self._shm.close()
+        with contextlib.suppress(FileNotFoundError):
+            self._shm.unlink()
+

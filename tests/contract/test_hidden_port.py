@@ -1,0 +1,190 @@
+"""The hidden-state port: lossless and in order over gRPC bytes and shared memory, chunked
+under the message limit, with the declared backpressure policy, ending on cancel too."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from helpers import make_runtime
+from llm_stage_client.hidden import HiddenWindow, PortEnd, subscribe_hidden
+from stage_harness import StageServer
+
+from llm_runner_svc.models import Model
+from llm_runner_svc.runtime import GenerationRequest, resolve
+from llm_runner_svc.stage import StageConfig
+from services.contract.llmstage.v1 import stage_pb2 as pb
+
+HIDDEN = StageConfig(max_seq=512, emits=("text", "tokens", "hidden"))
+PROMPT = "Once upon a time, in a big forest, there lived a little fox"
+
+
+def reference(stories: Model, seed: int, max_tokens: int) -> tuple[list, str]:
+    """The (start_position, embeddings, states) windows the in-process runtime captures, and
+    its finish reason."""
+    rt = make_runtime(stories, max_batch=1, max_seq=512, hidden_layer=-1)
+    try:
+        ids = stories.tokenizer.encode(PROMPT)
+        req = GenerationRequest("ref", ids, resolve(rt.config.sampling, temperature=0.8,
+                                                    seed=seed, max_new_tokens=max_tokens),
+                                capture_hidden=True)
+        events = list(rt.generate(req))
+        return ([(h.start_position, h.embeddings, h.states) for ev in events for h in ev.hidden],
+                events[-1].finish_reason.value)
+    finally:
+        rt.close()
+
+
+class Consumer(threading.Thread):
+    """Subscribes at once; with `pause_after`, stops reading after that many messages until
+    `resume` is set."""
+
+    def __init__(self, srv: StageServer, request_id: str, pause_after: int | None = None,
+                 **kw) -> None:
+        super().__init__(daemon=True)
+        self.target, self.request_id, self.kw = f"127.0.0.1:{srv.port}", request_id, kw
+        self.pause_after, self.resume = pause_after, threading.Event()
+        self.messages: list = []
+        self.error: grpc.RpcError | None = None
+        self.start()
+        time.sleep(0.1)  # subscribed before the request starts
+
+    def run(self) -> None:
+        # A fixed 64 KiB HTTP/2 window (no BDP growth): what gRPC itself buffers stays small.
+        channel = grpc.insecure_channel(self.target, options=[("grpc.http2.bdp_probe", 0)])
+        try:
+            for msg in subscribe_hidden(self.target, self.request_id, timeout=60,
+                                        channel=channel, **self.kw):
+                self.messages.append(msg)
+                if len(self.messages) == self.pause_after:
+                    self.resume.wait(30)
+        except grpc.RpcError as exc:
+            self.error = exc
+        finally:
+            channel.close()
+
+
+def run_request(srv: StageServer, sid: int, request_id: str, seed: int = 3,
+                max_tokens: int = 30, **kw) -> dict:
+    srv.admit_prepare(sid, text=PROMPT, temperature=0.8, seed=seed, max_tokens=max_tokens,
+                      ports=["text", "hidden"], request_id=request_id, **kw)
+    stream = srv.step([sid])
+    got = stream.collect({sid})[sid]
+    srv.stub.Finish(pb.FinishRequest(slot_id=sid))
+    srv.stub.Reset(pb.ResetRequest(slot_id=sid))
+    stream.half_close()
+    return got
+
+
+def assert_lossless(messages: list, reference_run: tuple[list, str], prompt_len: int) -> None:
+    ref, reason = reference_run
+    windows = [m for m in messages if isinstance(m, HiddenWindow)]
+    assert [m.seq for m in messages] == list(range(len(messages)))  # no gap
+    assert isinstance(messages[-1], PortEnd) and messages[-1].finish_reason == reason
+    emb = np.concatenate([w.embeddings for w in windows])
+    states = np.concatenate([w.states for w in windows])
+    assert np.array_equal(emb, np.concatenate([r[1] for r in ref]))  # bit-exact
+    assert np.array_equal(states, np.concatenate([r[2] for r in ref]))
+    assert [w.start_position for w in windows if not w.is_prefill] == \
+        [r[0] for r in ref[1:]]
+    assert sum(len(w.token_ids) for w in windows if w.is_prefill) == prompt_len
+
+
+@pytest.fixture(scope="module")
+def hidden_server():
+    with StageServer(HIDDEN) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["grpc-bytes", "shared-memory"])
+def test_hidden_states_are_lossless(hidden_server: StageServer, stories: Model,
+                                    shm: bool) -> None:
+    consumer = Consumer(hidden_server, f"h-{shm}", shared_memory=shm)
+    run_request(hidden_server, 1, f"h-{shm}")
+    consumer.join(30)
+    assert consumer.error is None
+    prompt_len = len(stories.tokenizer.encode(PROMPT))
+    first = consumer.messages[0]
+    assert first.is_prefill and first.states.shape == (prompt_len, 64)
+    assert first.token_ids == tuple(stories.tokenizer.encode(PROMPT))
+    assert_lossless(consumer.messages, reference(stories, 3, 30), prompt_len)
+
+
+def test_prefill_window_is_chunked_under_the_message_limit(stories: Model) -> None:
+    with StageServer(HIDDEN, max_message_bytes=8192) as srv:
+        consumer = Consumer(srv, "chunky")
+        run_request(srv, 1, "chunky", max_tokens=5)
+        consumer.join(30)
+    prefill = [m for m in consumer.messages if isinstance(m, HiddenWindow) and m.is_prefill]
+    assert len(prefill) > 1 and all(m.states.nbytes * 2 < 8192 for m in prefill)
+    assert_lossless(consumer.messages, reference(stories, 3, 5),
+                    len(stories.tokenizer.encode(PROMPT)))
+
+
+def test_block_policy_holds_the_producer_and_loses_nothing(stories: Model) -> None:
+    cfg = StageConfig(max_seq=512, emits=("text", "tokens", "hidden"), hidden_buffer=4)
+    with StageServer(cfg) as srv:
+        consumer = Consumer(srv, "slow", pause_after=2)
+        steps0 = srv.stats()["steps"]
+        runner = threading.Thread(target=run_request, args=(srv, 1, "slow"),
+                                  kwargs={"max_tokens": 400}, daemon=True)
+        runner.start()
+        time.sleep(0.5)  # the reader is paused: the producer must be waiting on it
+        held = srv.stats()["steps"] - steps0
+        consumer.resume.set()
+        runner.join(30)
+        consumer.join(30)
+    # the 64 KiB window (about 100 one-row messages) and our buffer of 4 absorb some steps,
+    # not the 400 the request needs
+    assert held < 200
+    assert consumer.error is None
+    assert_lossless(consumer.messages, reference(stories, 3, 400),
+                    len(stories.tokenizer.encode(PROMPT)))
+
+
+def test_disconnect_policy_drops_the_laggard_not_the_request(stories: Model) -> None:
+    cfg = StageConfig(max_seq=512, emits=("text", "tokens", "hidden"), hidden_buffer=4,
+                      hidden_policy="disconnect")
+    with StageServer(cfg) as srv:
+        consumer = Consumer(srv, "lag", pause_after=1)
+        got = run_request(srv, 1, "lag", max_tokens=400, ignore_eos=True)
+        consumer.resume.set()
+        consumer.join(30)
+    assert len(got["tokens"]) == 400 and got["reason"] == pb.FINISH_REASON_MAX_LENGTH
+    assert consumer.error is not None
+    assert consumer.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "fell behind" in consumer.error.details()
+    seqs = [m.seq for m in consumer.messages]
+    assert seqs == list(range(len(seqs)))  # what it did get has no gap
+
+
+def test_cancel_sends_a_terminal_message(hidden_server: StageServer) -> None:
+    consumer = Consumer(hidden_server, "cx")
+    hidden_server.admit_prepare(5, text=PROMPT, max_tokens=300, ignore_eos=True,
+                                ports=["hidden"], request_id="cx")
+    stream = hidden_server.step([5], credits=2)
+    stream.next()
+    hidden_server.stub.Cancel(pb.CancelRequest(slot_id=5))
+    stream.collect({5})
+    consumer.join(30)
+    end = consumer.messages[-1]
+    assert isinstance(end, PortEnd) and end.finish_reason == "cancelled"
+    hidden_server.stub.Finish(pb.FinishRequest(slot_id=5))
+    hidden_server.stub.Reset(pb.ResetRequest(slot_id=5))
+    stream.half_close()
+
+
+def test_subscribe_errors(server: StageServer, hidden_server: StageServer) -> None:
+    cases = [(server, "x", {}, grpc.StatusCode.FAILED_PRECONDITION, "no hidden port"),
+             (hidden_server, None, {"port": "audio"}, grpc.StatusCode.INVALID_ARGUMENT, "audio")]
+    for srv, rid, kw, code, needle in cases:
+        req = pb.SubscribeRequest(port=kw.get("port", "hidden"), request_id=rid or "x")
+        with pytest.raises(grpc.RpcError) as err:
+            next(srv.stub.Subscribe(req, timeout=10))
+        assert err.value.code() == code and needle in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        next(hidden_server.stub.Subscribe(pb.SubscribeRequest(port="hidden"), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
