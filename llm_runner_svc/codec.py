@@ -13,6 +13,7 @@ from llm_runner_svc.stage import ChatTurn, SlotState, StageRequest
 from llm_runner_svc.stage.admission import Admission, Refusal
 from llm_runner_svc.stage.describe import StageDescription
 from llm_runner_svc.stage.publish import (
+    BatchMessage,
     EndMessage,
     PortMessage,
     RegionMessage,
@@ -152,6 +153,9 @@ def _tensor_to_pb(t: TensorBytes) -> tuple[tensor_pb2.Tensor, pb.ShmSlice | None
 
 
 def port_message_to_pb(msg: PortMessage) -> pb.SubscribeEvent:
+    if isinstance(msg, BatchMessage):
+        return pb.SubscribeEvent(batch=pb.EventBatch(
+            events=[port_message_to_pb(m) for m in msg.messages]))
     if isinstance(msg, RegionMessage):
         return pb.SubscribeEvent(region=pb.ShmRegion(name=msg.name, size=msg.size))
     if isinstance(msg, EndMessage):

@@ -237,6 +237,13 @@ class LlmStage:
 
     # ---- internals -------------------------------------------------------------------
     async def _publish_hidden(self, pairs: list[tuple[Slot, StepEvent]]) -> None:
+        self.hidden.begin_step()
+        try:
+            await self._publish_step(pairs)
+        finally:
+            await self.hidden.flush_step()
+
+    async def _publish_step(self, pairs: list[tuple[Slot, StepEvent]]) -> None:
         for slot, ev in pairs:
             if not slot.request.wants_hidden:
                 continue

@@ -59,7 +59,14 @@ class RegionMessage:
     size: int
 
 
-PortMessage = HiddenMessage | EndMessage | RegionMessage
+@dataclass(frozen=True)
+class BatchMessage:
+    """One decode step's messages for a subscription to every request."""
+
+    messages: tuple[HiddenMessage | EndMessage, ...]
+
+
+PortMessage = HiddenMessage | EndMessage | RegionMessage | BatchMessage
 
 
 @dataclass
@@ -129,6 +136,22 @@ class HiddenPublisher:
         self._all: list[Subscriber] = []
         self.num_bytes_published = 0
         self.num_messages_published = 0
+        self._step: dict[int, tuple[Subscriber, list[HiddenMessage | EndMessage]]] | None = None
+
+    def begin_step(self) -> None:
+        """From here to `flush_step`, whole-stage subscribers collect one batch."""
+        self._step = {}
+
+    async def flush_step(self) -> None:
+        step, self._step = self._step, None
+        for sub, messages in (step or {}).values():
+            await sub.put(BatchMessage(tuple(messages)))
+
+    async def _deliver(self, sub: Subscriber, msg: HiddenMessage | EndMessage) -> None:
+        if sub.request_id is None and self._step is not None:
+            self._step.setdefault(id(sub), (sub, []))[1].append(msg)
+        else:
+            await sub.put(msg)
 
     def subscribe(self, request_id: str | None, use_shm: bool) -> Subscriber:
         sub = Subscriber(request_id, self.policy, self.buffer,
@@ -181,15 +204,15 @@ class HiddenPublisher:
                 else:
                     e = TensorBytes(states.dtype.name, shape, emb)
                     s = TensorBytes(states.dtype.name, shape, st)
-                await sub.put(HiddenMessage(request_id, sub.next_seq(request_id),
-                                            start_position + lo,
-                                            tuple(token_ids[lo:hi]), e, s, is_prefill))
+                await self._deliver(sub, HiddenMessage(
+                    request_id, sub.next_seq(request_id), start_position + lo,
+                    tuple(token_ids[lo:hi]), e, s, is_prefill))
 
     async def end(self, request_id: str, finish_reason: str, error: str | None) -> None:
         """The terminal message of a request; a per-request subscription then completes."""
         for sub in self._subscribers(request_id):
-            await sub.put(EndMessage(request_id, sub.next_seq(request_id), finish_reason,
-                                     error or ""))
+            await self._deliver(sub, EndMessage(request_id, sub.next_seq(request_id),
+                                                finish_reason, error or ""))
             sub.seqs.pop(request_id, None)
             if sub.request_id is not None:
                 await sub.close()

@@ -91,7 +91,8 @@ class Orchestrator:
             placements = []
             for sid in route.stages:
                 replica = self.pools[sid].pick()
-                placements.append(Placement(sid, replica, replica.next_slot_id()))
+                placements.append(Placement(sid, replica, replica.next_slot_id(),
+                                            *self._wiring(sid, route.stages, route.sinks)))
             run = RequestRun(request_id, request, route, placements, deadline)
             for p in placements:
                 p.replica.in_flight += 1
@@ -115,6 +116,22 @@ class Orchestrator:
         return True
 
     # ---- internals ---------------------------------------------------------------------
+    def _wiring(self, stage_id: str, active: tuple[str, ...], sinks: tuple[str, ...]
+                ) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+        """The ports `stage_id` must produce (its sinks and what active stages read from it)
+        and its inputs from other active stages."""
+        spec = self.topology.stage(stage_id)
+        wanted = {s.split(":", 1)[1] for s in sinks if s.split(":", 1)[0] == stage_id}
+        for other in active:
+            for inp in self.topology.stage(other).inputs:
+                src, port = inp.split(":", 1)
+                if src == stage_id:
+                    wanted.add(port)
+        ports = tuple(p for p in spec.emits if p in wanted)
+        inputs = tuple((inp, inp.split(":", 1)[0]) for inp in spec.inputs
+                       if inp.split(":", 1)[0] in active)
+        return ports, inputs
+
     async def _acquire(self, deadline: float | None) -> None:
         if self._slots.locked() and self.num_queued >= self.topology.max_queued:
             raise ResourceExhausted(

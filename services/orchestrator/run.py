@@ -42,6 +42,8 @@ class Placement:
     stage_id: str
     replica: Replica
     slot_id: int
+    ports: tuple[str, ...] = ()  # ports this stage must produce for the route
+    inputs: tuple[tuple[str, str], ...] = ()  # (input "stage:port", upstream stage id)
     is_admitted: bool = False
     has_joined: bool = False
     is_ended: bool = False
@@ -65,9 +67,14 @@ class RequestRun:
     async def events(self) -> Any:
         """Deltas of the sink ports, then the final report (an async iterator of pb events)."""
         sink_ports = {s.split(":", 1)[0]: s.split(":", 1)[1] for s in reversed(self.route.sinks)}
+        by_stage = {p.stage_id: p for p in self.placements}
         for p in self.placements:
+            request = pb.GenerationRequest()
+            request.CopyFrom(self.request)
+            request.ClearField("ports")
+            request.ports.extend(p.ports)
             ans = await self._call(p, p.replica.stub.Admit, pb.AdmitRequest(
-                slot_id=p.slot_id, request=self.request))
+                slot_id=p.slot_id, request=request))
             if not ans.admitted:
                 kind = ResourceExhausted if ans.refusal == pb.REFUSAL_NO_CAPACITY \
                     else InvalidArgument
@@ -75,13 +82,15 @@ class RequestRun:
                            f"({pb.Refusal.Name(ans.refusal)}): {ans.reason}")
             p.is_admitted = True
         for p in self.placements:
-            await self._call(p, p.replica.stub.Prepare, pb.PrepareRequest(slot_id=p.slot_id))
+            bindings = [pb.InputBinding(input=inp, endpoint=by_stage[up].replica.endpoint,
+                                        request_id=self.request_id) for inp, up in p.inputs]
+            await self._call(p, p.replica.stub.Prepare,
+                             pb.PrepareRequest(slot_id=p.slot_id, inputs=bindings))
         if self.is_cancelled:
             return
         for p in self.placements:
             p.replica.cohort(self.route.fingerprint).join(p.slot_id, self._updates)
             p.has_joined = True
-        by_stage = {p.stage_id: p for p in self.placements}
         while not all(p.is_ended for p in self.placements):
             stage_id, item = await self._next_update()
             if isinstance(item, ServiceError):

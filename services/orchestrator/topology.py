@@ -26,6 +26,7 @@ from services.errors import InvalidArgument, NotFound
 # Ports each known runner can emit.
 RUNNER_PORTS: dict[str, frozenset[str]] = {
     "llm.backbone": frozenset({"text", "tokens", "hidden"}),
+    "talker.codec": frozenset({"audio"}),  # the reference C++ talker (clients/cpp)
 }
 REQUEST_FIELDS = frozenset({"prompt", "text", "messages", "token_ids"})
 _STAGE_KEYS = {"id", "runner", "endpoints", "emits", "inputs", "onMissing", "launch"}

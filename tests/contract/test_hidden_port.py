@@ -22,18 +22,23 @@ HIDDEN = StageConfig(max_seq=512, emits=("text", "tokens", "hidden"))
 PROMPT = "Once upon a time, in a big forest, there lived a little fox"
 
 
-def reference(stories: Model, seed: int, max_tokens: int) -> tuple[list, str]:
-    """The (start_position, embeddings, states) windows the in-process runtime captures, and
-    its finish reason."""
-    rt = make_runtime(stories, max_batch=1, max_seq=512, hidden_layer=-1)
+def reference(stories: Model, seed: int, max_tokens: int, batch: int = 1) -> tuple[list, str]:
+    """The (start_position, embeddings, states) windows the in-process runtime captures for
+    the request (run `batch` times at once, as the stage batches them), and its finish reason."""
+    rt = make_runtime(stories, max_batch=8, max_seq=512, hidden_layer=-1)
     try:
         ids = stories.tokenizer.encode(PROMPT)
-        req = GenerationRequest("ref", ids, resolve(rt.config.sampling, temperature=0.8,
-                                                    seed=seed, max_new_tokens=max_tokens),
-                                capture_hidden=True)
-        events = list(rt.generate(req))
-        return ([(h.start_position, h.embeddings, h.states) for ev in events for h in ev.hidden],
-                events[-1].finish_reason.value)
+        for i in range(batch):
+            rt.submit(GenerationRequest(f"ref{i}", ids, resolve(
+                rt.config.sampling, temperature=0.8, seed=seed, max_new_tokens=max_tokens),
+                capture_hidden=True))
+        windows, reason = [], None
+        while rt.has_work:
+            for ev in rt.step():
+                if ev.request_id == "ref0":
+                    windows += [(h.start_position, h.embeddings, h.states) for h in ev.hidden]
+                    reason = ev.finish_reason or reason
+        return windows, reason.value
     finally:
         rt.close()
 
@@ -188,3 +193,27 @@ def test_subscribe_errors(server: StageServer, hidden_server: StageServer) -> No
     with pytest.raises(grpc.RpcError) as err:
         next(hidden_server.stub.Subscribe(pb.SubscribeRequest(port="hidden"), timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["grpc-bytes", "shared-memory"])
+def test_whole_stage_subscription_sees_every_request(hidden_server: StageServer,
+                                                     stories: Model, shm: bool) -> None:
+    consumer = Consumer(hidden_server, None, shared_memory=shm)
+    for i, sid in enumerate((21, 22, 23)):
+        hidden_server.admit_prepare(sid, text=PROMPT, temperature=0.8, seed=3, max_tokens=30,
+                                    ports=["hidden"], request_id=f"all-{shm}-{i}")
+    stream = hidden_server.step([21, 22, 23])
+    stream.collect({21, 22, 23})
+    stream.half_close()
+    deadline = time.monotonic() + 20
+    while sum(isinstance(m, PortEnd) for m in consumer.messages) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    prompt_len = len(stories.tokenizer.encode(PROMPT))
+    ref = reference(stories, 3, 30, batch=3)  # the same three rows, decoded together
+    for i in range(3):
+        mine = [m for m in consumer.messages if m.request_id == f"all-{shm}-{i}"]
+        assert_lossless(mine, ref, prompt_len)
+    for sid in (21, 22, 23):
+        hidden_server.stub.Finish(pb.FinishRequest(slot_id=sid))
+        hidden_server.stub.Reset(pb.ResetRequest(slot_id=sid))

@@ -94,28 +94,35 @@ def subscribe_hidden(target: str, request_id: str | None = None, *, shared_memor
         req.request_id = request_id
     ring: _Ring | None = None
     try:
-        for ev in stage_pb2_grpc.StageStub(ch).Subscribe(req, timeout=timeout):
-            kind = ev.WhichOneof("payload")
-            if kind == "region":
-                ring = _Ring(ev.region.name)
-            elif kind == "end":
-                yield PortEnd(ev.request_id, ev.seq,
-                              pb.FinishReason.Name(ev.end.finish_reason)[14:].lower(),
-                              ev.end.error)
-            elif kind == "hidden":
-                h = ev.hidden
-                shape = tuple(h.states.shape)
-                if ring is not None and h.HasField("states_shm"):
-                    emb = decode_tensor(h.embeddings.dtype, shape, ring.read(h.embeddings_shm))
-                    st = decode_tensor(h.states.dtype, shape, ring.read(h.states_shm))
-                    ring.release(h.states_shm.offset + h.states_shm.length)
-                else:
-                    emb = decode_tensor(h.embeddings.dtype, shape, h.embeddings.data)
-                    st = decode_tensor(h.states.dtype, shape, h.states.data)
-                yield HiddenWindow(ev.request_id, ev.seq, h.start_position, tuple(h.token_ids),
-                                   emb, st, h.is_prefill)
+        for outer in stage_pb2_grpc.StageStub(ch).Subscribe(req, timeout=timeout):
+            if outer.WhichOneof("payload") == "region":
+                ring = _Ring(outer.region.name)
+                continue
+            events = outer.batch.events if outer.HasField("batch") else [outer]
+            for ev in events:
+                yield from _decode(ev, ring)
     finally:
         if ring is not None:
             ring.close()
         if own:
             ch.close()
+
+
+def _decode(ev: pb.SubscribeEvent, ring: _Ring | None) -> Iterator[HiddenWindow | PortEnd]:
+    kind = ev.WhichOneof("payload")
+    if kind == "end":
+        yield PortEnd(ev.request_id, ev.seq,
+                      pb.FinishReason.Name(ev.end.finish_reason)[14:].lower(),
+                      ev.end.error)
+    elif kind == "hidden":
+        h = ev.hidden
+        shape = tuple(h.states.shape)
+        if ring is not None and h.HasField("states_shm"):
+            emb = decode_tensor(h.embeddings.dtype, shape, ring.read(h.embeddings_shm))
+            st = decode_tensor(h.states.dtype, shape, ring.read(h.states_shm))
+            ring.release(h.states_shm.offset + h.states_shm.length)
+        else:
+            emb = decode_tensor(h.embeddings.dtype, shape, h.embeddings.data)
+            st = decode_tensor(h.states.dtype, shape, h.states.data)
+        yield HiddenWindow(ev.request_id, ev.seq, h.start_position, tuple(h.token_ids),
+                           emb, st, h.is_prefill)
