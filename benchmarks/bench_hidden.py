@@ -103,8 +103,8 @@ async def transport(hidden: int, dtype: str, batch: int, steps: int, shm: bool) 
         rows = BF16(rng.integers(0, 1 << 16, (batch, hidden), dtype=np.uint16))
     for step in range(steps):
         publisher.begin_step()
-        for r in range(batch):
-            await publisher.publish(f"r{r}", step, [1], rows[r:r + 1], rows[r:r + 1], False)
+        await publisher.publish_rows([(f"r{r}", step, 1, rows[r:r + 1], rows[r:r + 1])
+                                      for r in range(batch)])
         await publisher.flush_step()
     publisher.begin_step()
     for r in range(batch):

@@ -154,8 +154,22 @@ def _tensor_to_pb(t: TensorBytes) -> tuple[tensor_pb2.Tensor, pb.ShmSlice | None
 
 def port_message_to_pb(msg: PortMessage) -> pb.SubscribeEvent:
     if isinstance(msg, BatchMessage):
-        return pb.SubscribeEvent(batch=pb.EventBatch(
-            events=[port_message_to_pb(m) for m in msg.messages]))
+        batch = pb.EventBatch(events=[port_message_to_pb(m) for m in msg.messages])
+        if msg.block is not None:
+            b = msg.block
+            emb, emb_shm = _tensor_to_pb(b.embeddings)
+            st, st_shm = _tensor_to_pb(b.states)
+            rows = batch.decode_rows
+            rows.request_ids.extend(b.request_ids)
+            rows.seqs.extend(b.seqs)
+            rows.positions.extend(b.positions)
+            rows.token_ids.extend(b.token_ids)
+            rows.embeddings.CopyFrom(emb)
+            rows.states.CopyFrom(st)
+            if emb_shm is not None and st_shm is not None:
+                rows.embeddings_shm.CopyFrom(emb_shm)
+                rows.states_shm.CopyFrom(st_shm)
+        return pb.SubscribeEvent(batch=batch)
     if isinstance(msg, RegionMessage):
         return pb.SubscribeEvent(region=pb.ShmRegion(name=msg.name, size=msg.size))
     if isinstance(msg, EndMessage):

@@ -244,18 +244,29 @@ class LlmStage:
             await self.hidden.flush_step()
 
     async def _publish_step(self, pairs: list[tuple[Slot, StepEvent]]) -> None:
+        """Prefill windows first, then the step's decode rows together, then the ends (a
+        request's rows always precede its end)."""
+        rows: list[tuple[str, int, int, Any, Any]] = []
+        ends: list[tuple[str, str, str | None]] = []
         for slot, ev in pairs:
             if not slot.request.wants_hidden:
                 continue
             rid = slot.request.request_id
-            tokens = (*slot.prompt_ids, *slot.output_ids)
+            num_prompt = len(slot.prompt_ids)
             for hs in ev.hidden:
-                n = hs.states.shape[0]
-                await self.hidden.publish(
-                    rid, hs.start_position, list(tokens[hs.start_position:hs.start_position + n]),
-                    hs.embeddings, hs.states, hs.start_position < len(slot.prompt_ids))
+                p = hs.start_position
+                if p < num_prompt:
+                    n = hs.states.shape[0]
+                    await self.hidden.publish(rid, p, list(slot.prompt_ids[p:p + n]),
+                                              hs.embeddings, hs.states, True)
+                else:  # one decode position: the token fed there is an earlier output
+                    rows.append((rid, p, slot.output_ids[p - num_prompt], hs.embeddings,
+                                 hs.states))
             if ev.finish_reason is not None:
-                await self.hidden.end(rid, ev.finish_reason.value, ev.error)
+                ends.append((rid, ev.finish_reason.value, ev.error))
+        await self.hidden.publish_rows(rows)
+        for rid, reason, error in ends:
+            await self.hidden.end(rid, reason, error)
 
     def _enter(self, cohort: Cohort, slot: Slot) -> None:
         assert slot.runtime_request is not None

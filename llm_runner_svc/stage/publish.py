@@ -60,10 +60,42 @@ class RegionMessage:
 
 
 @dataclass(frozen=True)
+class BlockMessage:
+    """Every single-row decode window of one step, rows stacked: [rows, hidden]."""
+
+    request_ids: tuple[str, ...]
+    seqs: tuple[int, ...]
+    positions: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    embeddings: TensorBytes
+    states: TensorBytes
+
+
+@dataclass(frozen=True)
 class BatchMessage:
     """One decode step's messages for a subscription to every request."""
 
     messages: tuple[HiddenMessage | EndMessage, ...]
+    block: BlockMessage | None = None
+
+
+@dataclass
+class _Row:
+    request_id: str
+    seq: int
+    position: int
+    token_id: int
+    embeddings: bytes
+    states: bytes
+
+
+@dataclass
+class _StepBatch:
+    sub: Subscriber
+    messages: list[HiddenMessage | EndMessage] = field(default_factory=list)
+    rows: list[_Row] = field(default_factory=list)
+    dtype: str = ""
+    width: int = 0
 
 
 PortMessage = HiddenMessage | EndMessage | RegionMessage | BatchMessage
@@ -136,7 +168,7 @@ class HiddenPublisher:
         self._all: list[Subscriber] = []
         self.num_bytes_published = 0
         self.num_messages_published = 0
-        self._step: dict[int, tuple[Subscriber, list[HiddenMessage | EndMessage]]] | None = None
+        self._step: dict[int, _StepBatch] | None = None
 
     def begin_step(self) -> None:
         """From here to `flush_step`, whole-stage subscribers collect one batch."""
@@ -144,14 +176,36 @@ class HiddenPublisher:
 
     async def flush_step(self) -> None:
         step, self._step = self._step, None
-        for sub, messages in (step or {}).values():
-            await sub.put(BatchMessage(tuple(messages)))
+        for batch in (step or {}).values():
+            block = await self._block(batch) if batch.rows else None
+            if not batch.sub.is_closed:
+                await batch.sub.put(BatchMessage(tuple(batch.messages), block))
+
+    def _batch(self, sub: Subscriber) -> _StepBatch | None:
+        if sub.request_id is not None or self._step is None:
+            return None
+        return self._step.setdefault(id(sub), _StepBatch(sub))
 
     async def _deliver(self, sub: Subscriber, msg: HiddenMessage | EndMessage) -> None:
-        if sub.request_id is None and self._step is not None:
-            self._step.setdefault(id(sub), (sub, []))[1].append(msg)
+        batch = self._batch(sub)
+        if batch is not None:
+            batch.messages.append(msg)
         else:
             await sub.put(msg)
+
+    async def _block(self, batch: _StepBatch) -> BlockMessage:
+        rows = batch.rows
+        shape = (len(rows), batch.width)
+        emb = b"".join(r.embeddings for r in rows)
+        st = b"".join(r.states for r in rows)
+        if batch.sub.ring is not None:
+            e, s = await self._to_ring(batch.sub, emb, st, shape, batch.dtype)
+        else:
+            e = TensorBytes(batch.dtype, shape, emb)
+            s = TensorBytes(batch.dtype, shape, st)
+        return BlockMessage(tuple(r.request_id for r in rows), tuple(r.seq for r in rows),
+                            tuple(r.position for r in rows), tuple(r.token_id for r in rows),
+                            e, s)
 
     def subscribe(self, request_id: str | None, use_shm: bool) -> Subscriber:
         sub = Subscriber(request_id, self.policy, self.buffer,
@@ -199,6 +253,12 @@ class HiddenPublisher:
             for sub in subs:
                 if sub.is_closed:
                     continue
+                batch = self._batch(sub)
+                if batch is not None and hi - lo == 1 and not is_prefill:
+                    batch.dtype, batch.width = states.dtype.name, hidden
+                    batch.rows.append(_Row(request_id, sub.next_seq(request_id),
+                                           start_position + lo, token_ids[lo], emb, st))
+                    continue
                 if sub.ring is not None:
                     e, s = await self._to_ring(sub, emb, st, shape, states.dtype.name)
                 else:
@@ -207,6 +267,45 @@ class HiddenPublisher:
                 await self._deliver(sub, HiddenMessage(
                     request_id, sub.next_seq(request_id), start_position + lo,
                     tuple(token_ids[lo:hi]), e, s, is_prefill))
+
+    async def publish_rows(self, rows: list[tuple[str, int, int, Any, Any]]) -> None:
+        """One decode step's single-row windows: (request_id, position, token_id,
+        embeddings [1, hidden], states [1, hidden]). Whole-stage subscribers get them stacked
+        in the step's block; per-request subscribers one message each."""
+        if not rows or not (self._all or self._by_request):
+            return
+        encoded = []
+        for rid, pos, tok, emb, st in rows:
+            e, s = emb.tobytes(), st.tobytes()
+            encoded.append((rid, pos, tok, e, s))
+            self.num_bytes_published += len(e) + len(s)
+        self.num_messages_published += len(rows)
+        dtype, width = rows[0][4].dtype.name, rows[0][4].shape[1]
+        for sub in self._all:
+            batch = self._batch(sub)
+            if sub.is_closed:
+                continue
+            if batch is None:
+                for rid, pos, tok, e, s in encoded:
+                    await self._deliver_row(sub, rid, pos, tok, e, s, dtype, width)
+                continue
+            batch.dtype, batch.width = dtype, width
+            batch.rows.extend(_Row(rid, sub.next_seq(rid), pos, tok, e, s)
+                              for rid, pos, tok, e, s in encoded)
+        for rid, pos, tok, e, s in encoded:
+            for sub in self._by_request.get(rid, ()):
+                await self._deliver_row(sub, rid, pos, tok, e, s, dtype, width)
+
+    async def _deliver_row(self, sub: Subscriber, rid: str, pos: int, tok: int, emb: bytes,
+                           st: bytes, dtype: str, width: int) -> None:
+        if sub.is_closed:
+            return
+        shape = (1, width)
+        if sub.ring is not None:
+            e, s = await self._to_ring(sub, emb, st, shape, dtype)
+        else:
+            e, s = TensorBytes(dtype, shape, emb), TensorBytes(dtype, shape, st)
+        await sub.put(HiddenMessage(rid, sub.next_seq(rid), pos, (tok,), e, s, False))
 
     async def end(self, request_id: str, finish_reason: str, error: str | None) -> None:
         """The terminal message of a request; a per-request subscription then completes."""

@@ -66,13 +66,18 @@ class _Ring:
         assert buf is not None
         self.buf = buf
         self.capacity = struct.unpack_from("<Q", buf, 0)[0]
+        self._end = 0
 
     def read(self, sl: pb.ShmSlice) -> memoryview:
         at = _HEADER + sl.offset % self.capacity
         return self.buf[at:at + sl.length]
 
-    def release(self, end: int) -> None:
-        struct.pack_into("<Q", self.buf, 16, end)
+    def seen(self, sl: pb.ShmSlice) -> None:
+        self._end = max(self._end, sl.offset + sl.length)
+
+    def release_all(self) -> None:
+        """Hand every slice seen so far back to the producer."""
+        struct.pack_into("<Q", self.buf, 16, self._end)
 
     def close(self) -> None:
         self.buf.release()
@@ -98,9 +103,14 @@ def subscribe_hidden(target: str, request_id: str | None = None, *, shared_memor
             if outer.WhichOneof("payload") == "region":
                 ring = _Ring(outer.region.name)
                 continue
-            events = outer.batch.events if outer.HasField("batch") else [outer]
-            for ev in events:
-                yield from _decode(ev, ring)
+            if outer.HasField("batch"):
+                yield from _decode_block(outer.batch.decode_rows, ring)
+                for ev in outer.batch.events:
+                    yield from _decode(ev, ring, release=False)
+                if ring is not None:
+                    ring.release_all()
+            else:
+                yield from _decode(outer, ring)
     finally:
         if ring is not None:
             ring.close()
@@ -108,7 +118,24 @@ def subscribe_hidden(target: str, request_id: str | None = None, *, shared_memor
             ch.close()
 
 
-def _decode(ev: pb.SubscribeEvent, ring: _Ring | None) -> Iterator[HiddenWindow | PortEnd]:
+def _decode_block(block: pb.HiddenBlock, ring: _Ring | None) -> Iterator[HiddenWindow]:
+    if not block.request_ids:
+        return
+    shape = tuple(block.states.shape)
+    if ring is not None and block.HasField("states_shm"):
+        emb = decode_tensor(block.embeddings.dtype, shape, ring.read(block.embeddings_shm))
+        st = decode_tensor(block.states.dtype, shape, ring.read(block.states_shm))
+        ring.seen(block.states_shm)
+    else:
+        emb = decode_tensor(block.embeddings.dtype, shape, block.embeddings.data)
+        st = decode_tensor(block.states.dtype, shape, block.states.data)
+    for i, rid in enumerate(block.request_ids):
+        yield HiddenWindow(rid, block.seqs[i], block.positions[i], (block.token_ids[i],),
+                           emb[i:i + 1], st[i:i + 1], False)
+
+
+def _decode(ev: pb.SubscribeEvent, ring: _Ring | None,
+            release: bool = True) -> Iterator[HiddenWindow | PortEnd]:
     kind = ev.WhichOneof("payload")
     if kind == "end":
         yield PortEnd(ev.request_id, ev.seq,
@@ -120,7 +147,9 @@ def _decode(ev: pb.SubscribeEvent, ring: _Ring | None) -> Iterator[HiddenWindow 
         if ring is not None and h.HasField("states_shm"):
             emb = decode_tensor(h.embeddings.dtype, shape, ring.read(h.embeddings_shm))
             st = decode_tensor(h.states.dtype, shape, ring.read(h.states_shm))
-            ring.release(h.states_shm.offset + h.states_shm.length)
+            ring.seen(h.states_shm)
+            if release:
+                ring.release_all()
         else:
             emb = decode_tensor(h.embeddings.dtype, shape, h.embeddings.data)
             st = decode_tensor(h.states.dtype, shape, h.states.data)

@@ -467,8 +467,30 @@ class SubscribeEvent(_message.Message):
     batch: EventBatch
     def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., end: _Optional[_Union[PortEnd, _Mapping]] = ..., region: _Optional[_Union[ShmRegion, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ...) -> None: ...
 
+class HiddenBlock(_message.Message):
+    __slots__ = ("request_ids", "seqs", "positions", "token_ids", "embeddings", "states", "embeddings_shm", "states_shm")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_SHM_FIELD_NUMBER: _ClassVar[int]
+    STATES_SHM_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    seqs: _containers.RepeatedScalarFieldContainer[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    embeddings: _tensor_pb2.Tensor
+    states: _tensor_pb2.Tensor
+    embeddings_shm: ShmSlice
+    states_shm: ShmSlice
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., seqs: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., embeddings: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., states: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., embeddings_shm: _Optional[_Union[ShmSlice, _Mapping]] = ..., states_shm: _Optional[_Union[ShmSlice, _Mapping]] = ...) -> None: ...
+
 class EventBatch(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "decode_rows")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ROWS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[SubscribeEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[SubscribeEvent, _Mapping]]] = ...) -> None: ...
+    decode_rows: HiddenBlock
+    def __init__(self, events: _Optional[_Iterable[_Union[SubscribeEvent, _Mapping]]] = ..., decode_rows: _Optional[_Union[HiddenBlock, _Mapping]] = ...) -> None: ...
