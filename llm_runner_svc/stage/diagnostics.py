@@ -30,6 +30,9 @@ def slot_diagnostics(slot: Slot, config: StageConfig) -> dict[str, Any]:
     }
     if slot.error:
         out["error"] = slot.error
+    if slot.request.wants_hidden:
+        out["hidden_windows"] = slot.num_hidden_windows
+        out["hidden_states_crc32"] = slot.hidden_crc32
     if req is not None:
         sp = req.sampling
         out["sampling"] = {"temperature": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p,
@@ -52,4 +55,7 @@ def stage_diagnostics(stage: LlmStage) -> dict[str, Any]:
         "cohorts": len(stage.loop.cohorts),
         "steps": stage.loop.num_steps,
         "draining": stage.is_draining,
+        "hidden_subscriptions": stage.hidden.num_subscriptions,
+        "hidden_messages_published": stage.hidden.num_messages_published,
+        "hidden_bytes_published": stage.hidden.num_bytes_published,
     }

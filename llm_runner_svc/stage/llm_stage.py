@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -254,6 +255,9 @@ class LlmStage:
             rid = slot.request.request_id
             num_prompt = len(slot.prompt_ids)
             for hs in ev.hidden:
+                # A checksum at the source, so a consumer can prove it got these exact bytes.
+                slot.hidden_crc32 = zlib.crc32(hs.states.tobytes(), slot.hidden_crc32)
+                slot.num_hidden_windows += 1
                 p = hs.start_position
                 if p < num_prompt:
                     n = hs.states.shape[0]

@@ -170,6 +170,10 @@ class HiddenPublisher:
         self.num_messages_published = 0
         self._step: dict[int, _StepBatch] | None = None
 
+    @property
+    def num_subscriptions(self) -> int:
+        return len(self._all) + sum(len(v) for v in self._by_request.values())
+
     def begin_step(self) -> None:
         """From here to `flush_step`, whole-stage subscribers collect one batch."""
         self._step = {}

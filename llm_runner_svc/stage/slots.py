@@ -69,6 +69,8 @@ class Slot:
     admit_ms: float = 0.0
     prepare_ms: float = 0.0
     is_finishing: bool = False
+    hidden_crc32: int = 0  # zlib CRC-32 chained over every published states window, in order
+    num_hidden_windows: int = 0
     num_steps: int = 0  # decode steps this slot took part in
     batch_size_sum: int = 0  # running rows summed over those steps
     max_batch_size: int = 0

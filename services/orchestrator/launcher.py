@@ -25,8 +25,12 @@ _LISTENING = re.compile(r"listening on [\w.\-]+:(\d+)")
 class StageProcess:
     """One `llm-runner serve` child."""
 
-    def __init__(self, config: str | None, stage: str | None, host: str) -> None:
-        cmd = [sys.executable, "-m", "llm_runner_svc", "serve", "--host", host, "--port", "0"]
+    def __init__(self, config: str | None, stage: str | None, host: str,
+                 command: tuple[str, ...] = ()) -> None:
+        if command:
+            cmd = [*command, "--host", host, "--port", "0"]
+        else:
+            cmd = [sys.executable, "-m", "llm_runner_svc", "serve", "--host", host, "--port", "0"]
         if config:
             cmd += ["--config", config]
         if stage:
@@ -59,7 +63,8 @@ def launch_stages(topology: Topology, host: str) -> tuple[Topology, list[StagePr
     try:
         for spec in topology.stages:
             for _ in range(spec.launch_replicas):
-                procs.append(StageProcess(spec.launch_config, spec.launch_stage, host))
+                procs.append(StageProcess(spec.launch_config, spec.launch_stage, host,
+                                          spec.launch_command))
                 endpoints.setdefault(spec.stage_id, []).append(procs[-1].endpoint)
     except BaseException:
         for p in procs:

@@ -8,8 +8,10 @@
      "maxRunning": 64, "maxQueued": 256}
 
 `launch` (optional) tells `llm-stage up` how to start the stage locally: `llm-runner serve` with
-that stage config file (relative to the topology file; the embedded default without one),
-`replicas` times, on free loopback ports that replace `endpoints`. Validation at load names the
+that stage config file (relative to the topology file; the embedded default without one), or
+`command` (an executable and its arguments, e.g. the C++ talker; `--host H --port 0` are
+appended and it must print "listening on H:PORT" first), `replicas` times, on free loopback ports
+that replace `endpoints`. Validation at load names the
 rule broken: unknown key or runner or port, duplicate id, an input
 with no source, a cycle, a sink no stage emits.
 """
@@ -30,7 +32,7 @@ RUNNER_PORTS: dict[str, frozenset[str]] = {
 }
 REQUEST_FIELDS = frozenset({"prompt", "text", "messages", "token_ids"})
 _STAGE_KEYS = {"id", "runner", "endpoints", "emits", "inputs", "onMissing", "launch"}
-_LAUNCH_KEYS = {"config", "stage", "replicas"}
+_LAUNCH_KEYS = {"config", "stage", "replicas", "command"}
 _TOP_KEYS = {"stages", "sinks", "defaultSinks", "maxRunning", "maxQueued"}
 
 
@@ -45,6 +47,7 @@ class StageSpec:
     launch_config: str | None = None  # stage config file for `llm-stage up`
     launch_stage: str | None = None
     launch_replicas: int = 0  # 0 = not launched locally
+    launch_command: tuple[str, ...] = ()  # a non-Python stage: its executable and arguments
 
     def upstream(self) -> list[str]:
         return [i.split(":", 1)[0] for i in self.inputs if not i.startswith("request:")]
@@ -155,6 +158,9 @@ def _parse_stage(i: int, raw: Any, base: Path) -> StageSpec:
         for key in ("config", "stage"):
             if not isinstance(launch.get(key, ""), str):
                 raise InvalidArgument(f"{where}.launch.{key}: must be a string")
+        command = launch.get("command", [])
+        if not isinstance(command, list) or not all(isinstance(c, str) for c in command):
+            raise InvalidArgument(f"{where}.launch.command: must be a list of strings")
     endpoints = _str_list(raw, "endpoints", [] if launch is not None else None, where)
     if not endpoints and launch is None:
         raise InvalidArgument(f"{where}.endpoints: at least one host:port is required")
@@ -172,10 +178,14 @@ def _parse_stage(i: int, raw: Any, base: Path) -> StageSpec:
     if on_missing not in ("fail", "skip"):
         raise InvalidArgument(f"{where}.onMissing: 'fail' or 'skip', got {on_missing!r}")
     config = (launch or {}).get("config")
+    command = list((launch or {}).get("command", []))
+    if command and "/" in command[0] and not Path(command[0]).is_absolute():
+        command[0] = str(base / command[0])
     return StageSpec(sid, runner, tuple(endpoints), tuple(emits), tuple(inputs), on_missing,
                      launch_config=str(base / config) if config else None,
                      launch_stage=(launch or {}).get("stage"),
-                     launch_replicas=(launch or {}).get("replicas", 1) if launch else 0)
+                     launch_replicas=(launch or {}).get("replicas", 1) if launch else 0,
+                     launch_command=tuple(command))
 
 
 def _topological_order(by_id: dict[str, StageSpec]) -> list[StageSpec]:

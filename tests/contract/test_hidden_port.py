@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 
 import grpc
 import numpy as np
 import pytest
+from google.protobuf.json_format import MessageToDict
 from helpers import make_runtime
 from llm_stage_client.hidden import HiddenWindow, PortEnd, subscribe_hidden
 from stage_harness import StageServer
@@ -79,6 +81,8 @@ def run_request(srv: StageServer, sid: int, request_id: str, seed: int = 3,
     stream = srv.step([sid])
     got = stream.collect({sid})[sid]
     srv.stub.Finish(pb.FinishRequest(slot_id=sid))
+    got["diagnostics"] = MessageToDict(
+        srv.stub.Diagnostics(pb.DiagnosticsRequest(slot_id=sid)).values)
     srv.stub.Reset(pb.ResetRequest(slot_id=sid))
     stream.half_close()
     return got
@@ -108,9 +112,14 @@ def hidden_server():
 def test_hidden_states_are_lossless(hidden_server: StageServer, stories: Model,
                                     shm: bool) -> None:
     consumer = Consumer(hidden_server, f"h-{shm}", shared_memory=shm)
-    run_request(hidden_server, 1, f"h-{shm}")
+    diag = run_request(hidden_server, 1, f"h-{shm}")["diagnostics"]
     consumer.join(30)
     assert consumer.error is None
+    crc = 0
+    for m in consumer.messages:
+        if isinstance(m, HiddenWindow):
+            crc = zlib.crc32(m.states.tobytes(), crc)
+    assert diag["hidden_states_crc32"] == crc  # what the runner computed is what arrived
     prompt_len = len(stories.tokenizer.encode(PROMPT))
     first = consumer.messages[0]
     assert first.is_prefill and first.states.shape == (prompt_len, 64)
