@@ -41,13 +41,14 @@ CONSUMER = """
 import sys, time, json
 from llm_stage_client.hidden import HiddenWindow, PortEnd, subscribe_hidden
 target, shm, expect_ends = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+wire_itemsize = int(sys.argv[4])  # bytes per element as sent (bf16 arrives widened to f32)
 n_bytes = n_msgs = n_ends = 0
 t0 = None
 for m in subscribe_hidden(target, None, shared_memory=shm):
     if t0 is None:
         t0 = time.perf_counter()
     if isinstance(m, HiddenWindow):
-        n_bytes += m.embeddings.nbytes + m.states.nbytes
+        n_bytes += (m.embeddings.size + m.states.size) * wire_itemsize
         n_msgs += 1
     else:
         n_ends += 1
@@ -93,7 +94,8 @@ async def transport(hidden: int, dtype: str, batch: int, steps: int, shm: bool) 
         (stage_pb2_grpc.add_StageServicer_to_server, _Servicer(publisher, subscribed),
          "llmstage.v1.Stage")])
     consumer = subprocess.Popen([sys.executable, "-c", CONSUMER, f"127.0.0.1:{handle.port}",
-                                 "1" if shm else "0", str(batch)], stdout=subprocess.PIPE,
+                                 "1" if shm else "0", str(batch),
+                                 "4" if dtype == "float32" else "2"], stdout=subprocess.PIPE,
                                 text=True)
     await subscribed.wait()
     rng = np.random.default_rng(0)
@@ -133,7 +135,8 @@ def decode_slowdown(tmp: Path) -> list[tuple[str, float]]:
             consumer = None
             if mode != "none":
                 consumer = subprocess.Popen([sys.executable, "-c", CONSUMER, stage.endpoint,
-                                             "1" if mode == "shared-memory" else "0", "8"],
+                                             "1" if mode == "shared-memory" else "0", "8",
+                                             "4"],
                                             stdout=subprocess.PIPE, text=True)
                 time.sleep(1.0)
             slots = []
