@@ -9,6 +9,9 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.contract.llmstage.v1 import orchestrator_pb2 as opb
 from services.contract.llmstage.v1 import stage_pb2 as pb
@@ -25,6 +28,7 @@ from services.orchestrator.run import Placement, RequestRun
 from services.orchestrator.topology import Topology
 
 log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("llmstage.orchestrator")
 
 
 class Orchestrator:
@@ -72,8 +76,38 @@ class Orchestrator:
             for replica in pool.replicas:
                 await replica.close()
 
-    async def generate(self, gen: opb.GenerateRequest, time_remaining: float | None
+    async def generate(self, gen: opb.GenerateRequest, time_remaining: float | None,
+                       parent: otel_context.Context | None = None
                        ) -> AsyncIterator[opb.GenerateEvent]:
+        """One request end to end; `parent` (the caller's trace context) parents its root span."""
+        span = _tracer.start_span("llmstage.v1.Orchestrator/Generate", context=parent,
+                                  kind=SpanKind.SERVER, attributes={
+                                      "rpc.system": "grpc",
+                                      "rpc.service": "llmstage.v1.Orchestrator",
+                                      "rpc.method": "Generate"})
+        try:
+            async for ev in self._generate(gen, time_remaining, span):
+                if ev.HasField("final"):
+                    f = ev.final
+                    reason = pb.FinishReason.Name(f.finish_reason)[14:].lower()
+                    span.set_attributes({
+                        "gen_ai.response.finish_reasons": [reason],
+                        "gen_ai.usage.input_tokens": f.usage.prompt_tokens,
+                        "gen_ai.usage.output_tokens": f.usage.completion_tokens})
+                    span.add_event("finish", {"llmstage.finish_reason": reason})
+                yield ev
+        except BaseException as exc:
+            code = getattr(exc, "code", None)
+            why = f"{code}: {getattr(exc, 'message', exc)}" if isinstance(code, str) \
+                else type(exc).__name__
+            span.set_status(Status(StatusCode.ERROR, why))
+            span.add_event("finish", {"llmstage.finish_reason": "error", "error": why})
+            raise
+        finally:
+            span.end()
+
+    async def _generate(self, gen: opb.GenerateRequest, time_remaining: float | None,
+                        span: trace.Span) -> AsyncIterator[opb.GenerateEvent]:
         loop = asyncio.get_running_loop()
         deadline = None if time_remaining is None else loop.time() + time_remaining
         if not gen.HasField("request"):
@@ -82,6 +116,7 @@ class Orchestrator:
         request.CopyFrom(gen.request)
         request_id = request.request_id or uuid.uuid4().hex
         request.request_id = request_id
+        span.set_attribute("llmstage.request_id", request_id)
         if request_id in self.runs:
             raise InvalidArgument(f"request id {request_id!r} is already running")
         fields = [request.WhichOneof("prompt") or ""]
@@ -93,7 +128,9 @@ class Orchestrator:
                 replica = self.pools[sid].pick()
                 placements.append(Placement(sid, replica, replica.next_slot_id(),
                                             *self._wiring(sid, route.stages, route.sinks)))
-            run = RequestRun(request_id, request, route, placements, deadline)
+            span.set_attribute("llmstage.route", list(route.stages))
+            run = RequestRun(request_id, request, route, placements, deadline,
+                             trace.set_span_in_context(span))
             for p in placements:
                 p.replica.in_flight += 1
             self.runs[request_id] = run

@@ -16,6 +16,9 @@ from typing import Any
 import grpc
 from google.protobuf import struct_pb2
 from google.protobuf.json_format import MessageToDict
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.contract.llmstage.v1 import orchestrator_pb2 as opb
 from services.contract.llmstage.v1 import stage_pb2 as pb
@@ -29,9 +32,11 @@ from services.errors import (
 from services.orchestrator.cohorts import Item
 from services.orchestrator.replicas import Replica
 from services.orchestrator.routes import Route
+from services.telemetry import metadata_for, traceparent
 
 log = logging.getLogger(__name__)
 
+_tracer = trace.get_tracer("llmstage.orchestrator")
 CONTROL_TIMEOUT_S = 30.0  # a single control call when the caller set no deadline
 
 
@@ -54,13 +59,16 @@ class Placement:
 
 class RequestRun:
     def __init__(self, request_id: str, request: pb.GenerationRequest, route: Route,
-                 placements: list[Placement], deadline: float | None) -> None:
+                 placements: list[Placement], deadline: float | None,
+                 trace_ctx: otel_context.Context | None = None) -> None:
         self.request_id = request_id
         self.request = request
         self.route = route
         self.placements = placements
         self.deadline = deadline  # event-loop time, None = no deadline
         self.is_cancelled = False
+        self.trace_ctx = trace_ctx  # the request's root span: parent of every stage call
+        self.has_first_token = False
         self._updates: asyncio.Queue[Item] = asyncio.Queue()
 
     # ---- the happy path ----------------------------------------------------------------
@@ -74,7 +82,7 @@ class RequestRun:
             request.ClearField("ports")
             request.ports.extend(p.ports)
             ans = await self._call(p, p.replica.stub.Admit, pb.AdmitRequest(
-                slot_id=p.slot_id, request=request))
+                slot_id=p.slot_id, request=request, traceparent=traceparent(self.trace_ctx)))
             if not ans.admitted:
                 kind = ResourceExhausted if ans.refusal == pb.REFUSAL_NO_CAPACITY \
                     else InvalidArgument
@@ -98,6 +106,10 @@ class RequestRun:
             if item.status == pb.MEMBER_STATUS_ENDED:
                 by_stage[stage_id].is_ended = True
             if stage_id in sink_ports and (item.token_ids or item.text):
+                if not self.has_first_token:
+                    self.has_first_token = True
+                    trace.get_current_span(self.trace_ctx).add_event(
+                        "first_token", {"llmstage.stage_id": stage_id})
                 yield opb.GenerateEvent(delta=opb.Delta(
                     stage_id=stage_id, port=sink_ports[stage_id], token_ids=item.token_ids,
                     text=item.text))
@@ -106,10 +118,11 @@ class RequestRun:
     def cancel(self) -> None:
         """Stop the request on every stage; its stream ends with finish reason CANCELLED."""
         self.is_cancelled = True
+        trace.get_current_span(self.trace_ctx).add_event("cancel")
         for p in self.placements:
             if p.has_joined and not p.is_ended:
                 asyncio.get_running_loop().create_task(self._quiet(
-                    p.replica.stub.Cancel(pb.CancelRequest(slot_id=p.slot_id), timeout=5.0)))
+                    p, p.replica.stub.Cancel, pb.CancelRequest(slot_id=p.slot_id), 5.0))
 
     async def cleanup(self, reason: pb.FinishReason) -> None:
         """Finish (with `reason`) and Reset every slot still held. Never raises."""
@@ -117,9 +130,9 @@ class RequestRun:
             if p.is_admitted and not p.is_released:
                 p.is_released = True
                 stub = p.replica.stub
-                await self._quiet(stub.Finish(pb.FinishRequest(slot_id=p.slot_id, reason=reason),
-                                              timeout=10.0))
-                await self._quiet(stub.Reset(pb.ResetRequest(slot_id=p.slot_id), timeout=5.0))
+                await self._quiet(p, stub.Finish,
+                                  pb.FinishRequest(slot_id=p.slot_id, reason=reason), 10.0)
+                await self._quiet(p, stub.Reset, pb.ResetRequest(slot_id=p.slot_id), 5.0)
             p.replica.cohort(self.route.fingerprint).leave(p.slot_id)
 
     def final_cancelled(self) -> opb.GenerateEvent:
@@ -145,10 +158,21 @@ class RequestRun:
             raise DeadlineExceeded(f"request {self.request_id}: deadline exceeded while "
                                    "generating") from None
 
-    async def _call(self, p: Placement, method: Any, request: Any) -> Any:
+    async def _call(self, p: Placement, method: Any, request: Any,
+                    timeout: float | None = None) -> Any:
+        name = type(request).__name__.removesuffix("Request")
+        span = _tracer.start_span(f"llmstage.v1.Stage/{name}", context=self.trace_ctx,
+                                  kind=SpanKind.CLIENT, attributes={
+                                      "rpc.system": "grpc", "rpc.service": "llmstage.v1.Stage",
+                                      "rpc.method": name, "server.address": p.replica.endpoint,
+                                      "llmstage.stage_id": p.stage_id,
+                                      "llmstage.slot": p.slot_id,
+                                      "llmstage.request_id": self.request_id})
         try:
-            return await method(request, timeout=self._remaining())
+            return await method(request, timeout=timeout or self._remaining(),
+                                metadata=metadata_for(trace.set_span_in_context(span)))
         except grpc.aio.AioRpcError as exc:
+            span.set_status(Status(StatusCode.ERROR, f"{exc.code().name}: {exc.details()}"))
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise DeadlineExceeded(f"request {self.request_id}: deadline exceeded at stage "
@@ -160,6 +184,8 @@ class RequestRun:
             err = ServiceError(f"stage {p.stage_id}: {exc.details()}")
             err.code = code.name
             raise err from None
+        finally:
+            span.end()
 
     async def _finish_all(self) -> opb.FinalReport:
         diagnostics = struct_pb2.Struct()
@@ -181,9 +207,9 @@ class RequestRun:
                             completion_tokens=len(sink.output_token_ids)),
             diagnostics=diagnostics, route=list(self.route.stages))
 
-    @staticmethod
-    async def _quiet(call: Any) -> None:
+    async def _quiet(self, p: Placement, method: Any, request: Any, timeout: float) -> None:
+        """A cleanup call: traced like any other, failures only logged."""
         try:
-            await call
-        except grpc.aio.AioRpcError as exc:
-            log.debug("cleanup call failed: %s", exc.details())
+            await self._call(p, method, request, timeout)
+        except ServiceError as exc:
+            log.debug("cleanup call to %s failed: %s", p.stage_id, exc.message)

@@ -12,6 +12,7 @@ from services.contract.llmstage.v1 import orchestrator_pb2_grpc
 from services.orchestrator.core import Orchestrator
 from services.orchestrator.topology import Topology
 from services.server import ServerHandle, ServerOptions, create_server, serve_until_signal
+from services.telemetry import context_from, init_tracing
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     async def Generate(self, request: opb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[opb.GenerateEvent]:
-        async for ev in self.orchestrator.generate(request, context.time_remaining()):
+        parent = context_from(metadata=context.invocation_metadata() or ())
+        async for ev in self.orchestrator.generate(request, context.time_remaining(), parent):
             yield ev
 
     async def Cancel(self, request: opb.CancelGenerateRequest,
@@ -53,6 +55,7 @@ async def create_orchestrator_server(topology: Topology, options: ServerOptions,
 
 
 async def serve(topology: Topology, options: ServerOptions) -> None:
+    init_tracing("llmstage-orchestrator")
     handle, orchestrator = await create_orchestrator_server(topology, options)
     print(f"llm-stage: orchestrator listening on {options.host}:{handle.port} "
           f"(stages: {', '.join(s.stage_id for s in topology.stages)})", flush=True)
