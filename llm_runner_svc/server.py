@@ -13,6 +13,7 @@ from llm_runner_svc.servicer import SERVICE_NAME, StageServicer
 from llm_runner_svc.stage import LlmStage, StageConfig
 from services.contract.llmstage.v1 import stage_pb2_grpc
 from services.server import ServerHandle, ServerOptions, create_server, serve_until_signal
+from services.telemetry import init_tracing
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ async def stop_stage_server(handle: ServerHandle, stage: LlmStage, grace_s: floa
 
 
 async def _serve(config: StageConfig, options: ServerOptions, slot_ttl_s: float) -> None:
+    init_tracing(f"llmstage-{config.stage_id}")
     handle, stage = await create_stage_server(config, options, slot_ttl_s)
     desc = stage.describe()
     # The one line a launcher (or a person) reads to learn where the stage listens.

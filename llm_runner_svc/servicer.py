@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -19,10 +20,16 @@ from llm_runner_svc.stage.slots import check_slot_id
 from llm_runner_svc.stage.stepping import Cohort
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.contract.llmstage.v1 import stage_pb2_grpc
+from services.telemetry import context_from
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Stage"].full_name
+
+
+def _call_ctx(context: grpc.aio.ServicerContext) -> Any:
+    """The caller's trace context from the call's metadata (None when it sent none)."""
+    return context_from(metadata=context.invocation_metadata() or ())
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
@@ -39,11 +46,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if not request.HasField("request"):
             raise InvalidArgument("AdmitRequest.request is required")
         req = codec.request_from_pb(request.slot_id, request.request)
-        return codec.admission_to_pb(self.stage.admit(request.slot_id, req))
+        return codec.admission_to_pb(self.stage.admit(
+            request.slot_id, req, _call_ctx(context), context_from(request.traceparent)))
 
     async def Prepare(self, request: pb.PrepareRequest, context: grpc.aio.ServicerContext
                       ) -> pb.PrepareResponse:
-        return codec.prepared_to_pb(self.stage.prepare(request.slot_id))
+        return codec.prepared_to_pb(self.stage.prepare(request.slot_id, _call_ctx(context)))
 
     async def Step(self, request_iterator: AsyncIterator[pb.StepRequest],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepEvent]:
@@ -88,7 +96,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     async def Finish(self, request: pb.FinishRequest, context: grpc.aio.ServicerContext
                      ) -> pb.FinishResponse:
         reason = codec.reason_from_pb(request.reason)
-        return codec.finished_to_pb(await self.stage.finish(request.slot_id, reason))
+        return codec.finished_to_pb(await self.stage.finish(request.slot_id, reason,
+                                                            _call_ctx(context)))
 
     async def Reset(self, request: pb.ResetRequest, context: grpc.aio.ServicerContext
                     ) -> pb.ResetResponse:

@@ -10,6 +10,8 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+from opentelemetry.trace import Status, StatusCode
+
 from llm_runner_svc.engines import create_engine
 from llm_runner_svc.errors import FailedPrecondition, InvalidArgument, RunnerError, Unavailable
 from llm_runner_svc.models import Model, load_model
@@ -29,6 +31,7 @@ from llm_runner_svc.stage.publish import HiddenPublisher, Subscriber
 from llm_runner_svc.stage.request import StageRequest
 from llm_runner_svc.stage.slots import Slot, SlotState, SlotTable, check_slot_id
 from llm_runner_svc.stage.stepping import Cohort, JoinRefusal, StepLoop
+from llm_runner_svc.stage.tracing import call_span, run_spans
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ class LlmStage:
         self.hidden = HiddenPublisher(config.hidden_policy, config.hidden_buffer,
                                       max_message_bytes, config.shm_ring_bytes)
         self.loop = StepLoop(runtime, self._by_runtime_id.get, self._reap_orphan,
-                             self._publish_hidden)
+                             self._after_step)
         self._reaper: asyncio.Task[None] | None = None
 
     @classmethod
@@ -107,8 +110,31 @@ class LlmStage:
     def describe(self) -> StageDescription:
         return describe(self.config, self.model, self.runtime, MAX_WINDOW)
 
-    def admit(self, slot_id: int, request: StageRequest) -> Admission:
-        """Admit `request` into a new slot, or refuse it; a refusal allocates nothing."""
+    def admit(self, slot_id: int, request: StageRequest, call_ctx: Any = None,
+              request_ctx: Any = None) -> Admission:
+        """Admit `request` into a new slot, or refuse it; a refusal allocates nothing.
+        `call_ctx` / `request_ctx`: trace contexts of the call and of the request."""
+        span = call_span("admit", call_ctx or request_ctx, self.config.stage_id, slot_id,
+                         request.request_id)
+        try:
+            adm = self._admit(slot_id, request)
+        except RunnerError as exc:
+            span.set_status(Status(StatusCode.ERROR, f"{exc.code}: {exc.message}"))
+            raise
+        finally:
+            span.end()
+        span.set_attributes({"llmstage.admitted": adm.is_admitted,
+                             "gen_ai.usage.input_tokens": adm.prompt_tokens})
+        if adm.refusal is not None:
+            span.set_attributes({"llmstage.refusal": adm.refusal.value,
+                                 "llmstage.refusal_reason": adm.reason})
+        else:
+            slot = self.slots.get(slot_id)
+            if slot is not None:
+                slot.request_ctx = request_ctx or call_ctx
+        return adm
+
+    def _admit(self, slot_id: int, request: StageRequest) -> Admission:
         t0 = time.perf_counter()
         check_slot_id(slot_id)
         if self.is_draining:
@@ -127,10 +153,12 @@ class LlmStage:
         self.slots.add(slot)
         return Admission(True, prompt_tokens=len(prompt_ids))
 
-    def prepare(self, slot_id: int) -> Slot:
+    def prepare(self, slot_id: int, call_ctx: Any = None) -> Slot:
         """Resolve sampling and build the runtime request; the slot becomes PREPARED."""
         t0 = time.perf_counter()
         slot = self.slots.require(slot_id, "Prepare")
+        call_span("prepare", call_ctx or slot.request_ctx, self.config.stage_id, slot_id,
+                  slot.request.request_id).end()
         slot.runtime_request, slot.seed = build_runtime_request(self.runtime, slot)
         slot.state = SlotState.PREPARED
         slot.prepare_ms = (time.perf_counter() - t0) * 1000.0
@@ -180,6 +208,7 @@ class LlmStage:
         slot = self.slots.require(slot_id, "Cancel")
         if slot.ended is not None:
             return slot.state, False
+        slot.t_cancel_ns = slot.t_cancel_ns or time.time_ns()
         if slot.state is SlotState.RUNNING:
             self.runtime.cancel(slot.runtime_id)
             self.loop.wake()
@@ -187,9 +216,21 @@ class LlmStage:
             slot.end(FinishReason.CANCELLED)
         return slot.state, True
 
-    async def finish(self, slot_id: int, reason: FinishReason | None) -> Slot:
+    async def finish(self, slot_id: int, reason: FinishReason | None,
+                     call_ctx: Any = None) -> Slot:
         """End the slot's run (stopping it if needed); the slot becomes FINISHED."""
         slot = self.slots.require(slot_id, "Finish")
+        span = call_span("finish", call_ctx or slot.request_ctx, self.config.stage_id, slot_id,
+                         slot.request.request_id)
+        try:
+            return await self._finish(slot, reason)
+        finally:
+            span.add_event("finish", {"llmstage.finish_reason":
+                                      slot.ended.value if slot.ended else "unknown"})
+            span.end()
+
+    async def _finish(self, slot: Slot, reason: FinishReason | None) -> Slot:
+        slot_id = slot.slot_id
         if slot.is_finishing:
             raise FailedPrecondition(f"Finish is not allowed: slot {slot_id} is "
                                      f"{slot.state.value} and already being finished")
@@ -237,7 +278,11 @@ class LlmStage:
         self.hidden.unsubscribe(sub)
 
     # ---- internals -------------------------------------------------------------------
-    async def _publish_hidden(self, pairs: list[tuple[Slot, StepEvent]]) -> None:
+    async def _after_step(self, pairs: list[tuple[Slot, StepEvent]]) -> None:
+        """After every step: spans of the runs that ended, then the hidden port."""
+        for slot, ev in pairs:
+            if ev.finish_reason is not None:
+                run_spans(slot, self.config.stage_id)
         self.hidden.begin_step()
         try:
             await self._publish_step(pairs)
@@ -276,6 +321,7 @@ class LlmStage:
         assert slot.runtime_request is not None
         self.runtime.submit(slot.runtime_request)
         slot.state = SlotState.RUNNING
+        slot.t_join_ns = time.time_ns()
         slot.cohort = cohort
         cohort.add(slot)
         self._by_runtime_id[slot.runtime_id] = slot

@@ -69,6 +69,9 @@ class Slot:
     admit_ms: float = 0.0
     prepare_ms: float = 0.0
     is_finishing: bool = False
+    request_ctx: Any = None  # trace context of the request (AdmitRequest.traceparent)
+    t_join_ns: int = 0  # wall clock when it joined a cohort
+    t_cancel_ns: int = 0  # wall clock of the first cancel
     hidden_crc32: int = 0  # zlib CRC-32 chained over every published states window, in order
     num_hidden_windows: int = 0
     num_steps: int = 0  # decode steps this slot took part in
