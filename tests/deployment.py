@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -20,8 +21,10 @@ from services.contract.llmstage.v1 import orchestrator_pb2_grpc, stage_pb2_grpc
 from services.contract.llmstage.v1 import stage_pb2 as pb
 
 
-def _start(cmd: list[str], pattern: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE, text=True)
+def _start(cmd: list[str], pattern: str, env: dict[str, str] | None = None
+           ) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE, text=True,
+                            env=os.environ | (env or {}))
     assert proc.stdout is not None
     line = proc.stdout.readline()
     m = re.search(pattern, line)
@@ -32,11 +35,11 @@ def _start(cmd: list[str], pattern: str) -> tuple[subprocess.Popen, str]:
 
 
 class StageProc:
-    def __init__(self, config: Path | None = None) -> None:
+    def __init__(self, config: Path | None = None, env: dict[str, str] | None = None) -> None:
         cmd = ["-m", "llm_runner_svc", "serve", "--port", "0", "--grace-s", "2"]
         if config is not None:
             cmd += ["--config", str(config)]
-        self.proc, self.endpoint = _start(cmd, r"listening on 127\.0\.0\.1:(\d+)")
+        self.proc, self.endpoint = _start(cmd, r"listening on 127\.0\.0\.1:(\d+)", env)
         self.channel = grpc.insecure_channel(self.endpoint)
         self.stub = stage_pb2_grpc.StageStub(self.channel)
 
@@ -70,7 +73,8 @@ class Deployment:
     """Stage processes plus an orchestrator process over them."""
 
     def __init__(self, tmp: Path, stages: dict[str, dict[str, Any]] | None = None,
-                 replicas: int = 1, **topology: Any) -> None:
+                 replicas: int = 1, env: dict[str, str] | None = None,
+                 **topology: Any) -> None:
         """`stages`: stage id -> stage config dict (a multistage_config stage entry); default
         one "backbone" stage serving the embedded model."""
         stages = stages or {"backbone": {}}
@@ -82,7 +86,7 @@ class Deployment:
                 path = tmp / f"{sid}.json"
                 path.write_text(json.dumps({"stages": [{"id": sid, "runner": "llm.backbone",
                                                         **cfg}]}))
-            self.stage_procs[sid] = [StageProc(path) for _ in range(replicas)]
+            self.stage_procs[sid] = [StageProc(path, env) for _ in range(replicas)]
             doc_stages.append({"id": sid, "runner": "llm.backbone",
                                "endpoints": [p.endpoint for p in self.stage_procs[sid]],
                                "emits": ["text", "tokens"], "inputs": ["request:prompt"]})
@@ -91,7 +95,7 @@ class Deployment:
         (tmp / "topology.json").write_text(json.dumps(doc))
         self.proc, self.target = _start(
             ["-m", "services.orchestrator", "--topology", str(tmp / "topology.json"),
-             "--port", "0"], r"listening on 127\.0\.0\.1:(\d+)")
+             "--port", "0"], r"listening on 127\.0\.0\.1:(\d+)", env)
         self.channel = grpc.insecure_channel(self.target)
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
 

@@ -118,21 +118,21 @@ class LlmStage:
                          request.request_id)
         try:
             adm = self._admit(slot_id, request)
+            span.set_attributes({"llmstage.admitted": adm.is_admitted,
+                                 "gen_ai.usage.input_tokens": adm.prompt_tokens})
+            if adm.refusal is not None:
+                span.set_attributes({"llmstage.refusal": adm.refusal.value,
+                                     "llmstage.refusal_reason": adm.reason})
+            else:
+                slot = self.slots.get(slot_id)
+                if slot is not None:
+                    slot.request_ctx = request_ctx or call_ctx
+            return adm
         except RunnerError as exc:
             span.set_status(Status(StatusCode.ERROR, f"{exc.code}: {exc.message}"))
             raise
         finally:
             span.end()
-        span.set_attributes({"llmstage.admitted": adm.is_admitted,
-                             "gen_ai.usage.input_tokens": adm.prompt_tokens})
-        if adm.refusal is not None:
-            span.set_attributes({"llmstage.refusal": adm.refusal.value,
-                                 "llmstage.refusal_reason": adm.reason})
-        else:
-            slot = self.slots.get(slot_id)
-            if slot is not None:
-                slot.request_ctx = request_ctx or call_ctx
-        return adm
 
     def _admit(self, slot_id: int, request: StageRequest) -> Admission:
         t0 = time.perf_counter()
