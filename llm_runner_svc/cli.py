@@ -81,6 +81,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="on SIGTERM, how long running requests may take before being cancelled")
     p.add_argument("--slot-ttl-s", type=float, default=600.0,
                    help="drop slots nobody touched for this long")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (0 = any free; default off)")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -96,7 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise InvalidArgument(str(exc)) from exc
     if args.slot_ttl_s <= 0:
         raise InvalidArgument(f"--slot-ttl-s must be positive, got {args.slot_ttl_s}")
-    serve(config, options, args.slot_ttl_s)
+    serve(config, options, args.slot_ttl_s, args.metrics_port)
     return 0
 
 

@@ -12,6 +12,7 @@ import logging
 from llm_runner_svc.servicer import SERVICE_NAME, StageServicer
 from llm_runner_svc.stage import LlmStage, StageConfig
 from services.contract.llmstage.v1 import stage_pb2_grpc
+from services.metrics import serve_metrics
 from services.server import ServerHandle, ServerOptions, create_server, serve_until_signal
 from services.telemetry import init_tracing
 
@@ -41,14 +42,19 @@ async def stop_stage_server(handle: ServerHandle, stage: LlmStage, grace_s: floa
     await stage.close()
 
 
-async def _serve(config: StageConfig, options: ServerOptions, slot_ttl_s: float) -> None:
+async def _serve(config: StageConfig, options: ServerOptions, slot_ttl_s: float,
+                 metrics_port: int | None) -> None:
     init_tracing(f"llmstage-{config.stage_id}")
     handle, stage = await create_stage_server(config, options, slot_ttl_s)
+    metrics_line = ""
+    if metrics_port is not None:
+        _, bound = serve_metrics(stage.metrics.registry, options.host, metrics_port)
+        metrics_line = f", metrics on {options.host}:{bound}"
     desc = stage.describe()
     # The one line a launcher (or a person) reads to learn where the stage listens.
     print(f"llm-runner: stage {desc.stage_id!r} ({desc.model.name}, engine {desc.engine}, "
           f"maxBatch {desc.max_batch}, maxSeq {desc.max_seq}) listening on "
-          f"{options.host}:{handle.port}", flush=True)
+          f"{options.host}:{handle.port}{metrics_line}", flush=True)
     try:
         await serve_until_signal(handle, options, stage.drain)
     finally:
@@ -56,5 +62,6 @@ async def _serve(config: StageConfig, options: ServerOptions, slot_ttl_s: float)
     log.info("stopped")
 
 
-def serve(config: StageConfig, options: ServerOptions, slot_ttl_s: float = 600.0) -> None:
-    asyncio.run(_serve(config, options, slot_ttl_s))
+def serve(config: StageConfig, options: ServerOptions, slot_ttl_s: float = 600.0,
+          metrics_port: int | None = None) -> None:
+    asyncio.run(_serve(config, options, slot_ttl_s, metrics_port))

@@ -21,8 +21,13 @@ from services.contract.llmstage.v1 import orchestrator_pb2_grpc, stage_pb2_grpc
 from services.contract.llmstage.v1 import stage_pb2 as pb
 
 
+def _metrics(line: str) -> str | None:
+    m = re.search(r"metrics on ([\d.]+:\d+)", line)
+    return f"http://{m.group(1)}/metrics" if m else None
+
+
 def _start(cmd: list[str], pattern: str, env: dict[str, str] | None = None
-           ) -> tuple[subprocess.Popen, str]:
+           ) -> tuple[subprocess.Popen, str, str]:
     proc = subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE, text=True,
                             env=os.environ | (env or {}))
     assert proc.stdout is not None
@@ -31,15 +36,19 @@ def _start(cmd: list[str], pattern: str, env: dict[str, str] | None = None
     if m is None:
         proc.kill()
         raise RuntimeError(f"{cmd} did not start: {line!r}")
-    return proc, f"127.0.0.1:{m.group(1)}"
+    return proc, f"127.0.0.1:{m.group(1)}", line
 
 
 class StageProc:
-    def __init__(self, config: Path | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(self, config: Path | None = None, env: dict[str, str] | None = None,
+                 metrics: bool = False) -> None:
         cmd = ["-m", "llm_runner_svc", "serve", "--port", "0", "--grace-s", "2"]
         if config is not None:
             cmd += ["--config", str(config)]
-        self.proc, self.endpoint = _start(cmd, r"listening on 127\.0\.0\.1:(\d+)", env)
+        if metrics:
+            cmd += ["--metrics-port", "0"]
+        self.proc, self.endpoint, line = _start(cmd, r"listening on 127\.0\.0\.1:(\d+)", env)
+        self.metrics_url = _metrics(line)
         self.channel = grpc.insecure_channel(self.endpoint)
         self.stub = stage_pb2_grpc.StageStub(self.channel)
 
@@ -74,7 +83,7 @@ class Deployment:
 
     def __init__(self, tmp: Path, stages: dict[str, dict[str, Any]] | None = None,
                  replicas: int = 1, env: dict[str, str] | None = None,
-                 **topology: Any) -> None:
+                 metrics: bool = False, **topology: Any) -> None:
         """`stages`: stage id -> stage config dict (a multistage_config stage entry); default
         one "backbone" stage serving the embedded model."""
         stages = stages or {"backbone": {}}
@@ -86,16 +95,18 @@ class Deployment:
                 path = tmp / f"{sid}.json"
                 path.write_text(json.dumps({"stages": [{"id": sid, "runner": "llm.backbone",
                                                         **cfg}]}))
-            self.stage_procs[sid] = [StageProc(path, env) for _ in range(replicas)]
+            self.stage_procs[sid] = [StageProc(path, env, metrics) for _ in range(replicas)]
             doc_stages.append({"id": sid, "runner": "llm.backbone",
                                "endpoints": [p.endpoint for p in self.stage_procs[sid]],
                                "emits": ["text", "tokens"], "inputs": ["request:prompt"]})
         sinks = [f"{sid}:text" for sid in stages]
         doc = {"stages": doc_stages, "sinks": sinks, "defaultSinks": sinks, **topology}
         (tmp / "topology.json").write_text(json.dumps(doc))
-        self.proc, self.target = _start(
+        self.proc, self.target, line = _start(
             ["-m", "services.orchestrator", "--topology", str(tmp / "topology.json"),
-             "--port", "0"], r"listening on 127\.0\.0\.1:(\d+)", env)
+             "--port", "0", *(["--metrics-port", "0"] if metrics else [])],
+            r"listening on 127\.0\.0\.1:(\d+)", env)
+        self.metrics_url = _metrics(line)
         self.channel = grpc.insecure_channel(self.target)
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
 

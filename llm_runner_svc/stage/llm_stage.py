@@ -27,6 +27,7 @@ from llm_runner_svc.stage.admission import (
 from llm_runner_svc.stage.config import StageConfig
 from llm_runner_svc.stage.describe import StageDescription, describe
 from llm_runner_svc.stage.diagnostics import slot_diagnostics, stage_diagnostics
+from llm_runner_svc.stage.metrics import StageMetrics
 from llm_runner_svc.stage.publish import HiddenPublisher, Subscriber
 from llm_runner_svc.stage.request import StageRequest
 from llm_runner_svc.stage.slots import Slot, SlotState, SlotTable, check_slot_id
@@ -55,6 +56,7 @@ class LlmStage:
                                       max_message_bytes, config.shm_ring_bytes)
         self.loop = StepLoop(runtime, self._by_runtime_id.get, self._reap_orphan,
                              self._after_step)
+        self.metrics = StageMetrics(self)
         self._reaper: asyncio.Task[None] | None = None
 
     @classmethod
@@ -123,6 +125,7 @@ class LlmStage:
             if adm.refusal is not None:
                 span.set_attributes({"llmstage.refusal": adm.refusal.value,
                                      "llmstage.refusal_reason": adm.reason})
+                self.metrics.refused.labels(adm.refusal.value).inc()
             else:
                 slot = self.slots.get(slot_id)
                 if slot is not None:
@@ -283,6 +286,7 @@ class LlmStage:
         for slot, ev in pairs:
             if ev.finish_reason is not None:
                 run_spans(slot, self.config.stage_id)
+                self.metrics.run_ended(slot)
         self.hidden.begin_step()
         try:
             await self._publish_step(pairs)

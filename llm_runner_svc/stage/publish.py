@@ -171,6 +171,12 @@ class HiddenPublisher:
         self._step: dict[int, _StepBatch] | None = None
 
     @property
+    def max_lag(self) -> int:
+        """Messages queued for the furthest-behind subscriber."""
+        subs = [*self._all, *(s for v in self._by_request.values() for s in v)]
+        return max((len(s._items) for s in subs), default=0)
+
+    @property
     def num_subscriptions(self) -> int:
         return len(self._all) + sum(len(v) for v in self._by_request.values())
 

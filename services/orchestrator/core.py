@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -22,6 +23,7 @@ from services.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from services.orchestrator.metrics import OrchestratorMetrics
 from services.orchestrator.replicas import StagePool
 from services.orchestrator.routes import compute_route
 from services.orchestrator.run import Placement, RequestRun
@@ -42,6 +44,7 @@ class Orchestrator:
         self.num_running = 0
         self.num_queued = 0
         self._slots = asyncio.Semaphore(topology.max_running)
+        self.metrics = OrchestratorMetrics(self)
 
     async def start(self, wait_s: float = 30.0) -> None:
         """Describe every replica (waiting up to `wait_s` for them to come up); refuse a
@@ -85,9 +88,16 @@ class Orchestrator:
                                       "rpc.system": "grpc",
                                       "rpc.service": "llmstage.v1.Orchestrator",
                                       "rpc.method": "Generate"})
+        t0 = time.perf_counter()
+        is_first, outcome = True, "error"
         try:
             async for ev in self._generate(gen, time_remaining, span):
+                if is_first and ev.HasField("delta"):
+                    is_first = False
+                    self.metrics.ttft.observe(time.perf_counter() - t0)
                 if ev.HasField("final"):
+                    outcome = pb.FinishReason.Name(ev.final.finish_reason)[14:].lower()
+                    self.metrics.e2e.observe(time.perf_counter() - t0)
                     f = ev.final
                     reason = pb.FinishReason.Name(f.finish_reason)[14:].lower()
                     span.set_attributes({
@@ -98,12 +108,14 @@ class Orchestrator:
                 yield ev
         except BaseException as exc:
             code = getattr(exc, "code", None)
+            outcome = code if isinstance(code, str) else "CANCELLED"
             why = f"{code}: {getattr(exc, 'message', exc)}" if isinstance(code, str) \
                 else type(exc).__name__
             span.set_status(Status(StatusCode.ERROR, why))
             span.add_event("finish", {"llmstage.finish_reason": "error", "error": why})
             raise
         finally:
+            self.metrics.requests.labels(outcome).inc()
             span.end()
 
     async def _generate(self, gen: opb.GenerateRequest, time_remaining: float | None,
@@ -175,6 +187,7 @@ class Orchestrator:
                 f"admission queue is full ({self.num_running} running, {self.num_queued} "
                 f"waiting; limits {self.topology.max_running} and {self.topology.max_queued})")
         self.num_queued += 1
+        t0 = time.perf_counter()
         try:
             timeout = None if deadline is None else \
                 max(0.0, deadline - asyncio.get_running_loop().time())
@@ -183,6 +196,7 @@ class Orchestrator:
             raise DeadlineExceeded("deadline exceeded while queued for admission") from None
         finally:
             self.num_queued -= 1
+        self.metrics.queue.observe(time.perf_counter() - t0)
         self.num_running += 1
 
     async def _drive(self, run: RequestRun) -> AsyncIterator[opb.GenerateEvent]:

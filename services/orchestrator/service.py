@@ -9,6 +9,7 @@ import grpc
 
 from services.contract.llmstage.v1 import orchestrator_pb2 as opb
 from services.contract.llmstage.v1 import orchestrator_pb2_grpc
+from services.metrics import serve_metrics
 from services.orchestrator.core import Orchestrator
 from services.orchestrator.topology import Topology
 from services.server import ServerHandle, ServerOptions, create_server, serve_until_signal
@@ -54,11 +55,17 @@ async def create_orchestrator_server(topology: Topology, options: ServerOptions,
     return handle, orchestrator
 
 
-async def serve(topology: Topology, options: ServerOptions) -> None:
+async def serve(topology: Topology, options: ServerOptions,
+                metrics_port: int | None = None) -> None:
     init_tracing("llmstage-orchestrator")
     handle, orchestrator = await create_orchestrator_server(topology, options)
+    metrics_line = ""
+    if metrics_port is not None:
+        _, bound = serve_metrics(orchestrator.metrics.registry, options.host, metrics_port)
+        metrics_line = f", metrics on {options.host}:{bound}"
     print(f"llm-stage: orchestrator listening on {options.host}:{handle.port} "
-          f"(stages: {', '.join(s.stage_id for s in topology.stages)})", flush=True)
+          f"(stages: {', '.join(s.stage_id for s in topology.stages)}){metrics_line}",
+          flush=True)
 
     async def drain(grace_s: float) -> None:
         await handle.server.stop(grace=grace_s)

@@ -1,0 +1,68 @@
+"""The LLM stage's Prometheus metrics (names follow the usual serving conventions)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from llm_runner_svc.stage.slots import Slot
+from services.metrics import LATENCY_BUCKETS
+
+if TYPE_CHECKING:
+    from llm_runner_svc.stage.llm_stage import LlmStage
+
+
+class StageMetrics:
+    def __init__(self, stage: LlmStage) -> None:
+        r = self.registry = CollectorRegistry()
+        b = LATENCY_BUCKETS
+        self.ttft = Histogram("llmstage_time_to_first_token_seconds",
+                              "Join to first token, per request", registry=r, buckets=b)
+        self.itl = Histogram("llmstage_inter_token_latency_seconds",
+                             "Mean time between tokens, per request", registry=r, buckets=b)
+        self.e2e = Histogram("llmstage_e2e_request_latency_seconds",
+                             "Join to end, per request", registry=r, buckets=b)
+        self.queue = Histogram("llmstage_queue_time_seconds",
+                               "Join to start of prefill, per request", registry=r, buckets=b)
+        self.finished = Counter("llmstage_requests_finished_total", "Runs ended, by reason",
+                                ["finish_reason"], registry=r)
+        self.refused = Counter("llmstage_admissions_refused_total", "Admit answered false",
+                               ["reason"], registry=r)
+        self.prompt_tokens = Counter("llmstage_prompt_tokens_total", "Prompt tokens run",
+                                     registry=r)
+        self.generated_tokens = Counter("llmstage_generation_tokens_total",
+                                        "Tokens generated", registry=r)
+        rt, pub = stage.runtime, stage.hidden
+        gauges = {
+            "llmstage_requests_running": ("Requests decoding", lambda: rt.num_running),
+            "llmstage_requests_waiting": ("Requests waiting for a batch row",
+                                          lambda: rt.num_waiting),
+            "llmstage_kv_pages_used": ("KV pages in use",
+                                       lambda: rt.pages.num_pages - rt.pages.num_free),
+            "llmstage_kv_pages_free": ("KV pages free", lambda: rt.pages.num_free),
+            "llmstage_hidden_bytes_published": ("Hidden-state tensor bytes published so far",
+                                                lambda: pub.num_bytes_published),
+            "llmstage_hidden_subscriber_lag_messages": (
+                "Messages the furthest-behind hidden subscriber has not read",
+                lambda: pub.max_lag),
+            "llmstage_hidden_subscriptions": ("Open hidden-port subscriptions",
+                                              lambda: pub.num_subscriptions),
+        }
+        for name, (doc, fn) in gauges.items():
+            Gauge(name, doc, registry=r).set_function(fn)
+
+    def run_ended(self, slot: Slot) -> None:
+        m = slot.metrics
+        reason = slot.ended.value if slot.ended else "unknown"
+        self.finished.labels(reason).inc()
+        if m is None or not slot.t_join_ns:
+            return
+        self.prompt_tokens.inc(m.prompt_tokens)
+        self.generated_tokens.inc(m.generated_tokens)
+        self.queue.observe(m.queue_ms / 1000.0)
+        if m.generated_tokens:
+            self.ttft.observe(m.ttft_ms / 1000.0)
+            self.e2e.observe((m.ttft_ms + m.decode_ms) / 1000.0)
+        if m.generated_tokens > 1:
+            self.itl.observe(m.decode_ms / 1000.0 / (m.generated_tokens - 1))

@@ -1,0 +1,31 @@
+"""The orchestrator's Prometheus metrics."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.metrics import LATENCY_BUCKETS
+
+if TYPE_CHECKING:
+    from services.orchestrator.core import Orchestrator
+
+
+class OrchestratorMetrics:
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        r = self.registry = CollectorRegistry()
+        b = LATENCY_BUCKETS
+        self.requests = Counter("llmstage_orchestrator_requests_total",
+                                "Generate calls by outcome (finish reason or status code)",
+                                ["outcome"], registry=r)
+        self.ttft = Histogram("llmstage_orchestrator_time_to_first_token_seconds",
+                              "Generate call to first delta", registry=r, buckets=b)
+        self.e2e = Histogram("llmstage_orchestrator_e2e_request_latency_seconds",
+                             "Generate call to final report", registry=r, buckets=b)
+        self.queue = Histogram("llmstage_orchestrator_queue_time_seconds",
+                               "Time waiting for admission", registry=r, buckets=b)
+        Gauge("llmstage_orchestrator_requests_running", "Requests generating",
+              registry=r).set_function(lambda: orchestrator.num_running)
+        Gauge("llmstage_orchestrator_requests_waiting", "Requests queued for admission",
+              registry=r).set_function(lambda: orchestrator.num_queued)
