@@ -123,7 +123,11 @@ def parse_topology(doc: Any, base: Path | None = None) -> Topology:
         sid, _, port = sink.partition(":")
         if sid not in by_id or port not in by_id[sid].emits:
             raise InvalidArgument(f"sinks: {sink!r} is not a port any stage emits")
+    if not sinks:
+        raise InvalidArgument("sinks: at least one port a caller can attach to is required")
     defaults = tuple(_str_list(doc, "defaultSinks", list(sinks[:1])))
+    if not defaults:
+        raise InvalidArgument("defaultSinks: at least one sink is required")
     for sink in defaults:
         if sink not in sinks:
             raise InvalidArgument(f"defaultSinks: {sink!r} is not one of the sinks")
@@ -165,6 +169,8 @@ def _parse_stage(i: int, raw: Any, base: Path) -> StageSpec:
     if not endpoints and launch is None:
         raise InvalidArgument(f"{where}.endpoints: at least one host:port is required")
     emits = _str_list(raw, "emits", None, where)
+    if not emits:
+        raise InvalidArgument(f"{where}.emits: a stage emits at least one port")
     for port in emits:
         if port not in RUNNER_PORTS[runner]:
             raise InvalidArgument(f"{where}.emits: runner {runner} has no port {port!r} "
