@@ -125,6 +125,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         sub = self.stage.subscribe(request_id, request.port,
                                    request.transport == pb.TRANSPORT_SHARED_MEMORY)
         try:
+            yield pb.SubscribeEvent(subscribed=pb.Subscribed())  # registered: nothing is missed
             while (msg := await sub.get()) is not None:
                 yield codec.port_message_to_pb(msg)
         finally:

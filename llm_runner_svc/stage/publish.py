@@ -107,16 +107,10 @@ class Subscriber:
     policy: str
     buffer: int
     ring: ShmRing | None = None
-    seqs: dict[str, int] = field(default_factory=dict)
     is_closed: bool = False
     error: RunnerError | None = None
     _items: deque[PortMessage] = field(default_factory=deque)
     _cond: asyncio.Condition = field(default_factory=asyncio.Condition)
-
-    def next_seq(self, request_id: str) -> int:
-        seq = self.seqs.get(request_id, 0)
-        self.seqs[request_id] = seq + 1
-        return seq
 
     async def put(self, item: PortMessage) -> None:
         async with self._cond:
@@ -169,6 +163,12 @@ class HiddenPublisher:
         self.num_bytes_published = 0
         self.num_messages_published = 0
         self._step: dict[int, _StepBatch] | None = None
+        self._seqs: dict[str, int] = {}  # per request: messages published so far
+
+    def _next_seq(self, request_id: str) -> int:
+        seq = self._seqs.get(request_id, 0)
+        self._seqs[request_id] = seq + 1
+        return seq
 
     @property
     def max_lag(self) -> int:
@@ -249,12 +249,13 @@ class HiddenPublisher:
                       embeddings: Any, states: Any, is_prefill: bool) -> None:
         """One window [n, hidden] of one request, in chunks under the message limit."""
         subs = self._subscribers(request_id)
-        if not subs:
-            return
         n, hidden = states.shape
         row_bytes = 2 * hidden * states.dtype.itemsize
         step = max(1, min(n, self.max_payload_bytes // row_bytes))
         for lo in range(0, n, step):
+            seq = self._next_seq(request_id)  # counted even with nobody listening
+            if not subs:
+                continue
             hi = min(n, lo + step)
             emb, st = embeddings[lo:hi].tobytes(), states[lo:hi].tobytes()
             self.num_bytes_published += len(emb) + len(st)
@@ -266,8 +267,8 @@ class HiddenPublisher:
                 batch = self._batch(sub)
                 if batch is not None and hi - lo == 1 and not is_prefill:
                     batch.dtype, batch.width = states.dtype.name, hidden
-                    batch.rows.append(_Row(request_id, sub.next_seq(request_id),
-                                           start_position + lo, token_ids[lo], emb, st))
+                    batch.rows.append(_Row(request_id, seq, start_position + lo,
+                                           token_ids[lo], emb, st))
                     continue
                 if sub.ring is not None:
                     e, s = await self._to_ring(sub, emb, st, shape, states.dtype.name)
@@ -275,13 +276,14 @@ class HiddenPublisher:
                     e = TensorBytes(states.dtype.name, shape, emb)
                     s = TensorBytes(states.dtype.name, shape, st)
                 await self._deliver(sub, HiddenMessage(
-                    request_id, sub.next_seq(request_id), start_position + lo,
-                    tuple(token_ids[lo:hi]), e, s, is_prefill))
+                    request_id, seq, start_position + lo, tuple(token_ids[lo:hi]), e, s,
+                    is_prefill))
 
     async def publish_rows(self, rows: list[tuple[str, int, int, Any, Any]]) -> None:
         """One decode step's single-row windows: (request_id, position, token_id,
         embeddings [1, hidden], states [1, hidden]). Whole-stage subscribers get them stacked
         in the step's block; per-request subscribers one message each."""
+        seqs = {rid: self._next_seq(rid) for rid, *_ in rows}  # counted with nobody listening
         if not rows or not (self._all or self._by_request):
             return
         encoded = []
@@ -297,17 +299,18 @@ class HiddenPublisher:
                 continue
             if batch is None:
                 for rid, pos, tok, e, s in encoded:
-                    await self._deliver_row(sub, rid, pos, tok, e, s, dtype, width)
+                    await self._deliver_row(sub, rid, seqs[rid], pos, tok, e, s, dtype,
+                                            width)
                 continue
             batch.dtype, batch.width = dtype, width
-            batch.rows.extend(_Row(rid, sub.next_seq(rid), pos, tok, e, s)
+            batch.rows.extend(_Row(rid, seqs[rid], pos, tok, e, s)
                               for rid, pos, tok, e, s in encoded)
         for rid, pos, tok, e, s in encoded:
             for sub in self._by_request.get(rid, ()):
-                await self._deliver_row(sub, rid, pos, tok, e, s, dtype, width)
+                await self._deliver_row(sub, rid, seqs[rid], pos, tok, e, s, dtype, width)
 
-    async def _deliver_row(self, sub: Subscriber, rid: str, pos: int, tok: int, emb: bytes,
-                           st: bytes, dtype: str, width: int) -> None:
+    async def _deliver_row(self, sub: Subscriber, rid: str, seq: int, pos: int, tok: int,
+                           emb: bytes, st: bytes, dtype: str, width: int) -> None:
         if sub.is_closed:
             return
         shape = (1, width)
@@ -315,14 +318,14 @@ class HiddenPublisher:
             e, s = await self._to_ring(sub, emb, st, shape, dtype)
         else:
             e, s = TensorBytes(dtype, shape, emb), TensorBytes(dtype, shape, st)
-        await sub.put(HiddenMessage(rid, sub.next_seq(rid), pos, (tok,), e, s, False))
+        await sub.put(HiddenMessage(rid, seq, pos, (tok,), e, s, False))
 
     async def end(self, request_id: str, finish_reason: str, error: str | None) -> None:
         """The terminal message of a request; a per-request subscription then completes."""
+        seq = self._next_seq(request_id)
+        self._seqs.pop(request_id, None)
         for sub in self._subscribers(request_id):
-            await self._deliver(sub, EndMessage(request_id, sub.next_seq(request_id),
-                                                finish_reason, error or ""))
-            sub.seqs.pop(request_id, None)
+            await self._deliver(sub, EndMessage(request_id, seq, finish_reason, error or ""))
             if sub.request_id is not None:
                 await sub.close()
 

@@ -100,7 +100,10 @@ def subscribe_hidden(target: str, request_id: str | None = None, *, shared_memor
     ring: _Ring | None = None
     try:
         for outer in stage_pb2_grpc.StageStub(ch).Subscribe(req, timeout=timeout):
-            if outer.WhichOneof("payload") == "region":
+            kind = outer.WhichOneof("payload")
+            if kind == "subscribed":
+                continue
+            if kind == "region":
                 ring = _Ring(outer.region.name)
                 continue
             if outer.HasField("batch"):

@@ -452,20 +452,22 @@ class PortEnd(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class SubscribeEvent(_message.Message):
-    __slots__ = ("request_id", "seq", "hidden", "end", "region", "batch")
+    __slots__ = ("request_id", "seq", "hidden", "end", "region", "subscribed", "batch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBED_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     hidden: HiddenStates
     end: PortEnd
     region: ShmRegion
+    subscribed: Subscribed
     batch: EventBatch
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., end: _Optional[_Union[PortEnd, _Mapping]] = ..., region: _Optional[_Union[ShmRegion, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., end: _Optional[_Union[PortEnd, _Mapping]] = ..., region: _Optional[_Union[ShmRegion, _Mapping]] = ..., subscribed: _Optional[_Union[Subscribed, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ...) -> None: ...
 
 class HiddenBlock(_message.Message):
     __slots__ = ("request_ids", "seqs", "positions", "token_ids", "embeddings", "states", "embeddings_shm", "states_shm")
@@ -486,6 +488,10 @@ class HiddenBlock(_message.Message):
     embeddings_shm: ShmSlice
     states_shm: ShmSlice
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., seqs: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., embeddings: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., states: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., embeddings_shm: _Optional[_Union[ShmSlice, _Mapping]] = ..., states_shm: _Optional[_Union[ShmSlice, _Mapping]] = ...) -> None: ...
+
+class Subscribed(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class EventBatch(_message.Message):
     __slots__ = ("events", "decode_rows")

@@ -1,0 +1,229 @@
+"""The C++ reference talker (clients/cpp, `talker_stage`) as a real process, fed by a fake
+thinker: a Python gRPC server implementing only Stage.Subscribe. Frames must equal the numpy
+reference of every hidden message's last row; seq gaps, cancels and illegal calls behave as
+the contract says; SIGTERM exits 0."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+import zlib
+from collections.abc import Iterator
+from concurrent import futures
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+from google.protobuf.json_format import MessageToDict
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from stage_harness import StepStream
+from talker_reference import codec_frame, talker_binary
+
+from services.contract.llmstage.v1 import stage_pb2 as pb
+from services.contract.llmstage.v1 import stage_pb2_grpc, tensor_pb2
+
+HIDDEN = 64
+DECODE_STEPS = 8
+
+
+class FakeThinker(stage_pb2_grpc.StageServicer):
+    """Per request: a prefill window [5, 64], decode windows [1, 64], then end(MAX_LENGTH).
+    Request ids starting "gap" skip seq 4; "slow" ones send 200 windows, 50 ms apart."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, list[np.ndarray]] = {}
+
+    def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext
+                  ) -> Iterator[pb.SubscribeEvent]:
+        rid = request.request_id
+        assert request.port == "hidden" and request.transport == pb.TRANSPORT_GRPC_BYTES
+        rng = np.random.default_rng(zlib.crc32(rid.encode()))
+        is_slow = rid.startswith("slow")
+        sent = self.sent.setdefault(rid, [])
+        yield pb.SubscribeEvent(subscribed=pb.Subscribed())  # registered, as a stage does
+        seq, pos = 0, 0
+        for i, n in enumerate([5] + [1] * (200 if is_slow else DECODE_STEPS)):
+            if rid.startswith("gap") and i == 4:
+                seq += 1
+            states = rng.standard_normal((n, HIDDEN), dtype=np.float32)
+            sent.append(states)
+            tensor = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[n, HIDDEN],
+                                       data=states.tobytes())
+            yield pb.SubscribeEvent(request_id=rid, seq=seq, hidden=pb.HiddenStates(
+                start_position=pos, token_ids=[1] * n, states=tensor, is_prefill=i == 0))
+            seq, pos = seq + 1, pos + n
+            if is_slow:
+                time.sleep(0.05)
+                if not context.is_active():
+                    return
+        yield pb.SubscribeEvent(request_id=rid, seq=seq,
+                                end=pb.PortEnd(finish_reason=pb.FINISH_REASON_MAX_LENGTH))
+
+
+def start_talker() -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([str(talker_binary()), "--port", "0", "--stage-id", "talker"],
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    match = re.fullmatch(r"talker: listening on (127\.0\.0\.1:\d+)\n", line)
+    assert match, line
+    return proc, match.group(1)
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[SimpleNamespace]:
+    fake = FakeThinker()
+    server = grpc.server(futures.ThreadPoolExecutor(16))
+    stage_pb2_grpc.add_StageServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    proc, endpoint = start_talker()
+    channel = grpc.insecure_channel(endpoint)
+    yield SimpleNamespace(fake=fake, thinker=f"127.0.0.1:{port}", channel=channel,
+                          stub=stage_pb2_grpc.StageStub(channel))
+    channel.close()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
+    server.stop(0)
+
+
+def admit_prepare(env: SimpleNamespace, slot: int, rid: str) -> None:
+    ans = env.stub.Admit(pb.AdmitRequest(slot_id=slot, request=pb.GenerationRequest(
+        request_id=rid, text="hello", ports=["audio"])))
+    assert ans.admitted and ans.prompt_tokens == 0
+    env.stub.Prepare(pb.PrepareRequest(slot_id=slot, inputs=[pb.InputBinding(
+        input="thinker:hidden", endpoint=env.thinker, request_id=rid)]))
+
+
+def test_describe(env: SimpleNamespace) -> None:
+    d = env.stub.Describe(pb.DescribeRequest())
+    assert (d.contract_version, d.stage_id, d.runner) == ("llmstage.v1", "talker", "talker.codec")
+    assert [(p.name, p.dtype, p.width) for p in d.emits] == [("audio", tensor_pb2.DTYPE_INT32, 1)]
+    assert list(d.inputs) == ["hidden"] and d.max_batch == 64 and d.max_step_window == 1024
+    assert d.model.name == "codec-projection-2048"
+
+
+def test_full_lifecycle_frames_match_the_reference(env: SimpleNamespace) -> None:
+    admit_prepare(env, 1, "r-ok")
+    stream = StepStream(env.stub, [1], 0)
+    out = stream.collect({1})[1]
+    stream.half_close()
+    assert list(stream.call) == []  # no member left, client done: the stream ends OK
+    sent = env.fake.sent["r-ok"]
+    assert len(sent) == 1 + DECODE_STEPS and sent[0].shape == (5, HIDDEN)
+    assert out["reason"] == pb.FINISH_REASON_MAX_LENGTH
+    assert out["tokens"] == [codec_frame(s[-1]) for s in sent]
+    fin = env.stub.Finish(pb.FinishRequest(slot_id=1))
+    assert fin.finish_reason == pb.FINISH_REASON_MAX_LENGTH and not fin.error
+    assert list(fin.output_token_ids) == out["tokens"]
+    assert fin.metrics.generated_tokens == len(sent)
+    diag = MessageToDict(env.stub.Diagnostics(pb.DiagnosticsRequest(slot_id=1)).values)
+    assert diag["frames"] == len(sent) == diag["hidden_messages"] and diag["seq_gaps"] == 0
+    assert diag["last_seq"] == len(sent) and diag["finish_reason"] == "max_length"  # end's seq
+    assert diag["subscribe_endpoint"] == env.thinker
+    crc = 0
+    for s in sent:
+        crc = zlib.crc32(s.tobytes(), crc)
+    assert int(diag["states_crc32"]) == crc
+    assert env.stub.Reset(pb.ResetRequest(slot_id=1)).existed
+    assert not env.stub.Reset(pb.ResetRequest(slot_id=1)).existed
+
+
+def test_a_seq_gap_ends_the_member_with_an_error(env: SimpleNamespace) -> None:
+    admit_prepare(env, 2, "gap-1")
+    stream = StepStream(env.stub, [2], 0)
+    out = stream.collect({2})[2]
+    stream.half_close()
+    assert out["reason"] == pb.FINISH_REASON_ERROR
+    assert out["tokens"] == [codec_frame(s[-1]) for s in env.fake.sent["gap-1"][:4]]
+    fin = env.stub.Finish(pb.FinishRequest(slot_id=2))
+    assert fin.finish_reason == pb.FINISH_REASON_ERROR
+    assert "hidden-state sequence gap: expected 4, got 5" in fin.error
+    diag = MessageToDict(env.stub.Diagnostics(pb.DiagnosticsRequest(slot_id=2)).values)
+    assert diag["seq_gaps"] == 1 and diag["finish_reason"] == "error"
+    env.stub.Reset(pb.ResetRequest(slot_id=2))
+
+
+def test_cancel_mid_stream(env: SimpleNamespace) -> None:
+    admit_prepare(env, 3, "slow-1")
+    stream = StepStream(env.stub, [3], 0)
+    first = stream.next()
+    assert first.members[0].status == pb.MEMBER_STATUS_RUNNING and first.members[0].token_ids
+    ans = env.stub.Cancel(pb.CancelRequest(slot_id=3))
+    assert ans.state == pb.SLOT_STATE_RUNNING and ans.was_running
+    rest = stream.collect({3})[3]
+    stream.half_close()
+    assert rest["reason"] == pb.FINISH_REASON_CANCELLED
+    fin = env.stub.Finish(pb.FinishRequest(slot_id=3))
+    assert fin.finish_reason == pb.FINISH_REASON_CANCELLED
+    assert 0 < len(fin.output_token_ids) < 100
+    assert list(fin.output_token_ids) == list(first.members[0].token_ids) + rest["tokens"]
+    env.stub.Reset(pb.ResetRequest(slot_id=3))
+
+
+def test_a_broken_step_stream_frees_its_members(env: SimpleNamespace) -> None:
+    admit_prepare(env, 5, "slow-2")
+    stream = StepStream(env.stub, [5], 0)
+    stream.next()
+    stream.cancel()
+    deadline = time.monotonic() + 5
+    while MessageToDict(env.stub.Diagnostics(pb.DiagnosticsRequest()).values)["slots"] and \
+            time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(grpc.RpcError) as err:
+        env.stub.Finish(pb.FinishRequest(slot_id=5))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_illegal_calls(env: SimpleNamespace) -> None:
+    def fails(code: grpc.StatusCode, fn, *args, match: str = "") -> None:
+        with pytest.raises(grpc.RpcError) as err:
+            fn(*args)
+        assert err.value.code() == code and match in err.value.details(), err.value.details()
+
+    fp, nf, inv = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
+                   grpc.StatusCode.INVALID_ARGUMENT)
+    fails(nf, env.stub.Prepare, pb.PrepareRequest(slot_id=40))
+    fails(inv, env.stub.Reset, pb.ResetRequest(slot_id=-1))
+    env.stub.Admit(pb.AdmitRequest(slot_id=41, request=pb.GenerationRequest(text="x")))
+    fails(fp, env.stub.Admit, pb.AdmitRequest(slot_id=41, request=pb.GenerationRequest(
+        text="x")))
+    fails(fp, env.stub.Diagnostics, pb.DiagnosticsRequest(slot_id=41), match="is ADMITTED")
+    fails(inv, env.stub.Prepare, pb.PrepareRequest(slot_id=41, inputs=[pb.InputBinding(
+        input="thinker:text", endpoint=env.thinker, request_id="x")]),
+        match="the talker needs a hidden-state input binding")
+    stream = StepStream(env.stub, [41], 0)
+    fails(fp, stream.next, match="Step is not allowed: slot 41 is ADMITTED")
+    stream.cancel()
+    admit_prepare(env, 42, "r-illegal")
+    fails(fp, env.stub.Prepare, pb.PrepareRequest(slot_id=42),
+          match="Prepare is not allowed: slot 42 is PREPARED")
+    stream = StepStream(env.stub, [42], 0)
+    stream.next()
+    fails(fp, env.stub.Reset, pb.ResetRequest(slot_id=42), match="slot 42 is RUNNING")
+    stream.send(join=[41])  # a later join is refused in-band; the stream goes on
+    refused, is_ended = [], False
+    while not (refused and is_ended):
+        ev = stream.next()
+        stream.send(credits=1)
+        refused += [(r.slot_id, r.code) for r in ev.refused]
+        is_ended |= any(m.status == pb.MEMBER_STATUS_ENDED for m in ev.members)
+    assert refused == [(41, "FAILED_PRECONDITION")]
+    stream.half_close()
+    env.stub.Finish(pb.FinishRequest(slot_id=42))
+    fails(fp, env.stub.Cancel, pb.CancelRequest(slot_id=42), match="slot 42 is FINISHED")
+    for slot in (41, 42):
+        assert env.stub.Reset(pb.ResetRequest(slot_id=slot)).existed
+
+
+def test_health_and_sigterm_exit_zero() -> None:
+    proc, endpoint = start_talker()
+    with grpc.insecure_channel(endpoint) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "llmstage.v1.Stage"):
+            ans = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert ans.status == health_pb2.HealthCheckResponse.SERVING
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
