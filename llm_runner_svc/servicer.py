@@ -18,6 +18,7 @@ from llm_runner_svc.errors import InvalidArgument, RunnerError
 from llm_runner_svc.stage import LlmStage
 from llm_runner_svc.stage.slots import check_slot_id
 from llm_runner_svc.stage.stepping import Cohort
+from llm_runner_svc.stage.tracing import call_span
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.contract.llmstage.v1 import stage_pb2_grpc
 from services.telemetry import context_from
@@ -124,9 +125,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             raise InvalidArgument(f"transport {request.transport} is not a Transport value")
         sub = self.stage.subscribe(request_id, request.port,
                                    request.transport == pb.TRANSPORT_SHARED_MEMORY)
+        # One span for the life of the subscription, under the subscriber's call context.
+        span = call_span("subscribe", _call_ctx(context), self.stage.config.stage_id, -1,
+                         request_id or "")
         try:
             yield pb.SubscribeEvent(subscribed=pb.Subscribed())  # registered: nothing is missed
             while (msg := await sub.get()) is not None:
                 yield codec.port_message_to_pb(msg)
         finally:
             self.stage.unsubscribe(sub)
+            span.end()

@@ -43,6 +43,11 @@ void HiddenSubscriber::Start() {
   cv_.wait(lock, [this] { return is_sent_; });
 }
 
+void HiddenSubscriber::AddMetadata(const std::string& key, const std::string& value) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!is_started_) context_.AddMetadata(key, value);
+}
+
 bool HiddenSubscriber::WaitSubscribed(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait_for(lock, timeout, [this] { return is_subscribed_ || is_done_; });

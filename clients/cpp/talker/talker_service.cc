@@ -271,6 +271,9 @@ void TalkerStage::FinishSlot(Slot& slot, Graveyard* graveyard) {
   Put(d, "seq_gaps", static_cast<double>(slot.seq_gaps));
   Put(d, "states_crc32", static_cast<double>(slot.states_crc32));
   Put(d, "subscribe_endpoint", slot.endpoint);
+  Put(d, "traceparent", slot.admit_traceparent);
+  Put(d, "request_traceparent", slot.request_traceparent);
+  Put(d, "prepare_traceparent", slot.prepare_traceparent);
   Put(d, "subscribe_request_id", slot.subscribe_request_id);
   Put(d, "subscription_status", slot.subscription_status);
   Put(d, "steps", static_cast<double>(slot.rounds));
@@ -300,7 +303,14 @@ Status TalkerStage::Describe(grpc::ServerContext*, const v1::DescribeRequest*,
   return Status::OK;
 }
 
-Status TalkerStage::Admit(grpc::ServerContext*, const v1::AdmitRequest* req,
+// The traceparent a call carried in its metadata ("" when none).
+static std::string TraceparentOf(const grpc::ServerContext* context) {
+  const auto& md = context->client_metadata();
+  auto it = md.find("traceparent");
+  return it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
+}
+
+Status TalkerStage::Admit(grpc::ServerContext* context, const v1::AdmitRequest* req,
                           v1::AdmitResponse* out) {
   Status st = CheckSlotId(req->slot_id());
   if (!st.ok()) return st;
@@ -325,13 +335,15 @@ Status TalkerStage::Admit(grpc::ServerContext*, const v1::AdmitRequest* req,
                          ? "slot-" + std::to_string(req->slot_id())
                          : req->request().request_id();
   slot->admitted_at = Clock::now();
+  slot->admit_traceparent = TraceparentOf(context);
+  slot->request_traceparent = req->traceparent();
   slots_[slot->slot_id] = slot;
   out->set_admitted(true);
   out->set_prompt_tokens(0);
   return Status::OK;
 }
 
-Status TalkerStage::Prepare(grpc::ServerContext*, const v1::PrepareRequest* req,
+Status TalkerStage::Prepare(grpc::ServerContext* context, const v1::PrepareRequest* req,
                             v1::PrepareResponse*) {
   std::shared_ptr<llmstage::HiddenSubscriber> subscriber;
   std::string subscribe_endpoint;
@@ -363,6 +375,12 @@ Status TalkerStage::Prepare(grpc::ServerContext*, const v1::PrepareRequest* req,
         [this, weak](const Status& status) { OnSubscriptionDone(weak, status); });
     slot->endpoint = binding->endpoint();
     subscribe_endpoint = binding->endpoint();
+    slot->prepare_traceparent = TraceparentOf(context);
+    // The Subscribe joins the request's trace under the call that asked for it.
+    const std::string& parent = !slot->prepare_traceparent.empty()
+                                    ? slot->prepare_traceparent
+                                    : slot->request_traceparent;
+    if (!parent.empty()) subscriber->AddMetadata("traceparent", parent);
     slot->subscribe_request_id = binding->request_id();
     slot->subscriber = subscriber;
     slot->state = SlotState::kPrepared;

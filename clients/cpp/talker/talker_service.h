@@ -52,6 +52,12 @@ struct Cohort;
 struct Slot {
   int64_t slot_id = 0;
   std::string request_id;
+  // W3C trace context: the traceparent of the call that admitted the slot (gRPC metadata),
+  // of the request (AdmitRequest.traceparent), and of the Prepare call, which the talker's own
+  // Subscribe to the thinker carries on.
+  std::string admit_traceparent;
+  std::string request_traceparent;
+  std::string prepare_traceparent;
   SlotState state = SlotState::kAdmitted;
   // The subscription (from Prepare on).
   std::string endpoint;

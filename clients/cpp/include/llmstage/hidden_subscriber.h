@@ -46,6 +46,9 @@ class HiddenSubscriber {
   HiddenSubscriber(const HiddenSubscriber&) = delete;
   HiddenSubscriber& operator=(const HiddenSubscriber&) = delete;
 
+  // Adds a metadata entry (e.g. "traceparent") to the Subscribe call. Before Start() only.
+  void AddMetadata(const std::string& key, const std::string& value);
+
   // Opens the subscription on a new thread and returns once the request has been sent (or the
   // call failed to start). Idempotent. A subscriber cancelled before Start() only reports
   // CANCELLED to on_done.
