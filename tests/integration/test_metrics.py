@@ -43,6 +43,8 @@ def test_metrics_count_what_was_sent(tmp) -> None:
         assert m[("llmstage_requests_running", ())] == 0
         assert m[("llmstage_kv_pages_used", ())] == 0
         assert m[("llmstage_kv_pages_free", ())] > 0
+        assert m[("llmstage_hidden_bytes_published", ())] == 0  # no request asked for it
+        assert m[("llmstage_hidden_subscriber_lag_messages", ())] == 0
         o = scrape(dep.metrics_url)
         assert o[("llmstage_orchestrator_requests_total", (("outcome", "max_length"),))] == 12
         assert o[("llmstage_orchestrator_requests_total",
