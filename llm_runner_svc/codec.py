@@ -17,6 +17,7 @@ from llm_runner_svc.stage.publish import (
     EndMessage,
     PortMessage,
     RegionMessage,
+    StepsMessage,
     TensorBytes,
 )
 from llm_runner_svc.stage.slots import Slot
@@ -153,6 +154,9 @@ def _tensor_to_pb(t: TensorBytes) -> tuple[tensor_pb2.Tensor, pb.ShmSlice | None
 
 
 def port_message_to_pb(msg: PortMessage) -> pb.SubscribeEvent:
+    if isinstance(msg, StepsMessage):
+        return pb.SubscribeEvent(steps=pb.StepBatches(
+            steps=[port_message_to_pb(step).batch for step in msg.steps]))
     if isinstance(msg, BatchMessage):
         batch = pb.EventBatch(events=[port_message_to_pb(m) for m in msg.messages])
         if msg.block is not None:

@@ -123,8 +123,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if request.transport not in (pb.TRANSPORT_UNSPECIFIED, pb.TRANSPORT_GRPC_BYTES,
                                      pb.TRANSPORT_SHARED_MEMORY):
             raise InvalidArgument(f"transport {request.transport} is not a Transport value")
-        sub = self.stage.subscribe(request_id, request.port,
-                                   request.transport == pb.TRANSPORT_SHARED_MEMORY)
+        sub = await self.stage.subscribe(request_id, request.port,
+                                         request.transport == pb.TRANSPORT_SHARED_MEMORY)
         # One span for the life of the subscription, under the subscriber's call context.
         span = call_span("subscribe", _call_ctx(context), self.stage.config.stage_id, -1,
                          request_id or "")

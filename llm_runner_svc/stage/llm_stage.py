@@ -266,7 +266,8 @@ class LlmStage:
         self.slots.remove(slot_id)
         return True
 
-    def subscribe(self, request_id: str | None, port: str, use_shm: bool) -> Subscriber:
+    async def subscribe(self, request_id: str | None, port: str, use_shm: bool
+                        ) -> Subscriber:
         """A subscription to the hidden port of one request (it may not exist yet) or all."""
         if port != "hidden":
             raise InvalidArgument(f"port {port!r} cannot be subscribed to (only 'hidden')")
@@ -275,7 +276,7 @@ class LlmStage:
                                      "emits)")
         if request_id == "":
             raise InvalidArgument("Subscribe needs a request_id or all_requests")
-        return self.hidden.subscribe(request_id, use_shm)
+        return await self.hidden.subscribe(request_id, use_shm)
 
     def unsubscribe(self, sub: Subscriber) -> None:
         self.hidden.unsubscribe(sub)

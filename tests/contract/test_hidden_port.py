@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from google.protobuf.json_format import MessageToDict
 from helpers import make_runtime
-from llm_stage_client.hidden import HiddenWindow, PortEnd, subscribe_hidden
+from llm_stage_client.hidden import HiddenBlock, HiddenWindow, PortEnd, subscribe_hidden
 from stage_harness import StageServer
 
 from llm_runner_svc.models import Model
@@ -226,3 +226,35 @@ def test_whole_stage_subscription_sees_every_request(hidden_server: StageServer,
     for sid in (21, 22, 23):
         hidden_server.stub.Finish(pb.FinishRequest(slot_id=sid))
         hidden_server.stub.Reset(pb.ResetRequest(slot_id=sid))
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["grpc-bytes", "shared-memory"])
+def test_a_lagging_whole_stage_reader_gets_its_backlog_whole_and_in_order(
+        stories: Model, shm: bool) -> None:
+    """The reader stops after the first message, so steps pile up and come out several to a
+    gRPC message; as blocks, expanded row by row, they are still exactly the reference."""
+    with StageServer(HIDDEN) as srv:
+        consumer = Consumer(srv, None, pause_after=1, shared_memory=shm, blocks=True)
+        sids = (31, 32)
+        for i, sid in enumerate(sids):
+            srv.admit_prepare(sid, text=PROMPT, temperature=0.8, seed=3, max_tokens=30,
+                              ports=["hidden"], request_id=f"lag-{i}")
+        stream = srv.step(list(sids))
+        stream.collect(set(sids))
+        stream.half_close()
+        consumer.resume.set()
+        deadline = time.monotonic() + 20
+        while sum(isinstance(m, PortEnd) for m in consumer.messages) < 2:
+            assert time.monotonic() < deadline and consumer.error is None
+            time.sleep(0.02)
+        for sid in sids:
+            srv.stub.Finish(pb.FinishRequest(slot_id=sid))
+            srv.stub.Reset(pb.ResetRequest(slot_id=sid))
+    blocks = [m for m in consumer.messages if isinstance(m, HiddenBlock)]
+    assert len(blocks) >= 29 and all(b.states.shape == (2, 64) for b in blocks)
+    rows = [w for m in consumer.messages
+            for w in (m.windows() if isinstance(m, HiddenBlock) else [m])]
+    ref = reference(stories, 3, 30, batch=2)
+    for i in range(2):
+        assert_lossless([m for m in rows if m.request_id == f"lag-{i}"], ref,
+                        len(stories.tokenizer.encode(PROMPT)))

@@ -4,8 +4,12 @@
         if isinstance(msg, HiddenWindow): use(msg.states)   # np.ndarray [n, hidden]
         else: print(msg.finish_reason)                       # PortEnd: the last message
 
-Messages come in order with their per-request `seq`; with shared memory the arrays are copies
-taken before the ring space is released, so they stay valid.
+Messages come in order with their per-request `seq`. Arrays decoded from gRPC bytes are
+read-only views of the received message; with shared memory they are copies taken before the
+ring space is released, so either stays valid. A subscription to every request can ask for
+`blocks=True`: each decode step's single-row windows then come as one HiddenBlock
+([rows, hidden] arrays) instead of one HiddenWindow per row. `widen=False` keeps bfloat16 as
+its bits (np.uint16) instead of widening it to float32.
 """
 
 from __future__ import annotations
@@ -40,6 +44,24 @@ class HiddenWindow:
 
 
 @dataclass(frozen=True)
+class HiddenBlock:
+    """One decode step's single-row windows stacked: row i belongs to request_ids[i]."""
+
+    request_ids: tuple[str, ...]
+    seqs: tuple[int, ...]
+    positions: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    embeddings: np.ndarray  # [rows, hidden]
+    states: np.ndarray
+
+    def windows(self) -> Iterator[HiddenWindow]:
+        """The rows as HiddenWindows (views of the block's arrays)."""
+        for i, rid in enumerate(self.request_ids):
+            yield HiddenWindow(rid, self.seqs[i], self.positions[i], (self.token_ids[i],),
+                               self.embeddings[i:i + 1], self.states[i:i + 1], False)
+
+
+@dataclass(frozen=True)
 class PortEnd:
     request_id: str
     seq: int
@@ -47,14 +69,19 @@ class PortEnd:
     error: str
 
 
-def decode_tensor(dtype: int, shape: tuple[int, ...], data: bytes | memoryview) -> np.ndarray:
-    """A Tensor's bytes as an array (a copy); bfloat16 widens to float32 exactly."""
+def decode_tensor(dtype: int, shape: tuple[int, ...], data: bytes | memoryview, *,
+                  widen: bool = True, copy: bool = True) -> np.ndarray:
+    """A Tensor's bytes as an array: a copy, or with copy=False a read-only view of `data`.
+    bfloat16 widens to float32 exactly, or with widen=False stays as its bits (uint16)."""
     if dtype == tensor_pb2.DTYPE_BFLOAT16:
-        raw = np.frombuffer(data, np.uint16).astype(np.uint32) << 16
-        return raw.view(np.float32).reshape(shape)
+        bits = np.frombuffer(data, np.uint16).reshape(shape)
+        if not widen:
+            return bits.copy() if copy else bits
+        return (bits.astype(np.uint32) << 16).view(np.float32)
     if dtype not in _NP_DTYPES:
         raise ValueError(f"unsupported tensor dtype {dtype}")
-    return np.frombuffer(data, _NP_DTYPES[dtype]).reshape(shape).copy()
+    out: np.ndarray = np.frombuffer(data, _NP_DTYPES[dtype]).reshape(shape)
+    return out.copy() if copy else out
 
 
 class _Ring:
@@ -67,6 +94,8 @@ class _Ring:
         self.buf = buf
         self.capacity = struct.unpack_from("<Q", buf, 0)[0]
         self._end = 0
+        # Touch a byte of every page now, so reads on the stream take no first-touch faults.
+        np.frombuffer(buf, np.uint8)[_HEADER::4096].sum()
 
     def read(self, sl: pb.ShmSlice) -> memoryview:
         at = _HEADER + sl.offset % self.capacity
@@ -85,9 +114,12 @@ class _Ring:
 
 
 def subscribe_hidden(target: str, request_id: str | None = None, *, shared_memory: bool = False,
-                     timeout: float | None = None,
-                     channel: grpc.Channel | None = None) -> Iterator[HiddenWindow | PortEnd]:
-    """Subscribe to one request (or, with request_id None, every request) of the stage."""
+                     timeout: float | None = None, channel: grpc.Channel | None = None,
+                     blocks: bool = False, widen: bool = True
+                     ) -> Iterator[HiddenWindow | HiddenBlock | PortEnd]:
+    """Subscribe to one request (or, with request_id None, every request) of the stage.
+    HiddenBlocks come only with blocks=True (see the module docstring)."""
+    dec = _Decoder(widen)
     own = channel is None
     ch = channel or grpc.insecure_channel(target, options=[
         ("grpc.max_receive_message_length", 256 << 20)])
@@ -106,14 +138,19 @@ def subscribe_hidden(target: str, request_id: str | None = None, *, shared_memor
             if kind == "region":
                 ring = _Ring(outer.region.name)
                 continue
-            if outer.HasField("batch"):
-                yield from _decode_block(outer.batch.decode_rows, ring)
-                for ev in outer.batch.events:
-                    yield from _decode(ev, ring, release=False)
-                if ring is not None:
-                    ring.release_all()
+            if kind in ("batch", "steps"):
+                for step in [outer.batch] if kind == "batch" else outer.steps.steps:
+                    block = dec.block(step.decode_rows, ring)
+                    if block is not None and blocks:
+                        yield block
+                    elif block is not None:
+                        yield from block.windows()
+                    for ev in step.events:
+                        yield from dec.event(ev, ring, release=False)
+                    if ring is not None:
+                        ring.release_all()
             else:
-                yield from _decode(outer, ring)
+                yield from dec.event(outer, ring)
     finally:
         if ring is not None:
             ring.close()
@@ -121,40 +158,43 @@ def subscribe_hidden(target: str, request_id: str | None = None, *, shared_memor
             ch.close()
 
 
-def _decode_block(block: pb.HiddenBlock, ring: _Ring | None) -> Iterator[HiddenWindow]:
-    if not block.request_ids:
-        return
-    shape = tuple(block.states.shape)
-    if ring is not None and block.HasField("states_shm"):
-        emb = decode_tensor(block.embeddings.dtype, shape, ring.read(block.embeddings_shm))
-        st = decode_tensor(block.states.dtype, shape, ring.read(block.states_shm))
-        ring.seen(block.states_shm)
-    else:
-        emb = decode_tensor(block.embeddings.dtype, shape, block.embeddings.data)
-        st = decode_tensor(block.states.dtype, shape, block.states.data)
-    for i, rid in enumerate(block.request_ids):
-        yield HiddenWindow(rid, block.seqs[i], block.positions[i], (block.token_ids[i],),
-                           emb[i:i + 1], st[i:i + 1], False)
+class _Decoder:
+    def __init__(self, widen: bool) -> None:
+        self.widen = widen
 
-
-def _decode(ev: pb.SubscribeEvent, ring: _Ring | None,
-            release: bool = True) -> Iterator[HiddenWindow | PortEnd]:
-    kind = ev.WhichOneof("payload")
-    if kind == "end":
-        yield PortEnd(ev.request_id, ev.seq,
-                      pb.FinishReason.Name(ev.end.finish_reason)[14:].lower(),
-                      ev.end.error)
-    elif kind == "hidden":
-        h = ev.hidden
+    def tensors(self, h: pb.HiddenStates | pb.HiddenBlock, ring: _Ring | None
+                ) -> tuple[np.ndarray, np.ndarray]:
         shape = tuple(h.states.shape)
         if ring is not None and h.HasField("states_shm"):
-            emb = decode_tensor(h.embeddings.dtype, shape, ring.read(h.embeddings_shm))
-            st = decode_tensor(h.states.dtype, shape, ring.read(h.states_shm))
+            emb = decode_tensor(h.embeddings.dtype, shape, ring.read(h.embeddings_shm),
+                                widen=self.widen)
+            st = decode_tensor(h.states.dtype, shape, ring.read(h.states_shm),
+                               widen=self.widen)
             ring.seen(h.states_shm)
-            if release:
+            return emb, st
+        return (decode_tensor(h.embeddings.dtype, shape, h.embeddings.data, widen=self.widen,
+                              copy=False),
+                decode_tensor(h.states.dtype, shape, h.states.data, widen=self.widen,
+                              copy=False))
+
+    def block(self, b: pb.HiddenBlock, ring: _Ring | None) -> HiddenBlock | None:
+        if not b.request_ids:
+            return None
+        emb, st = self.tensors(b, ring)
+        return HiddenBlock(tuple(b.request_ids), tuple(b.seqs), tuple(b.positions),
+                           tuple(b.token_ids), emb, st)
+
+    def event(self, ev: pb.SubscribeEvent, ring: _Ring | None,
+              release: bool = True) -> Iterator[HiddenWindow | PortEnd]:
+        kind = ev.WhichOneof("payload")
+        if kind == "end":
+            yield PortEnd(ev.request_id, ev.seq,
+                          pb.FinishReason.Name(ev.end.finish_reason)[14:].lower(),
+                          ev.end.error)
+        elif kind == "hidden":
+            h = ev.hidden
+            emb, st = self.tensors(h, ring)
+            if ring is not None and release:
                 ring.release_all()
-        else:
-            emb = decode_tensor(h.embeddings.dtype, shape, h.embeddings.data)
-            st = decode_tensor(h.states.dtype, shape, h.states.data)
-        yield HiddenWindow(ev.request_id, ev.seq, h.start_position, tuple(h.token_ids),
-                           emb, st, h.is_prefill)
+            yield HiddenWindow(ev.request_id, ev.seq, h.start_position, tuple(h.token_ids),
+                               emb, st, h.is_prefill)

@@ -452,7 +452,7 @@ class PortEnd(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class SubscribeEvent(_message.Message):
-    __slots__ = ("request_id", "seq", "hidden", "end", "region", "subscribed", "batch")
+    __slots__ = ("request_id", "seq", "hidden", "end", "region", "subscribed", "batch", "steps")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -460,6 +460,7 @@ class SubscribeEvent(_message.Message):
     REGION_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBED_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     hidden: HiddenStates
@@ -467,7 +468,14 @@ class SubscribeEvent(_message.Message):
     region: ShmRegion
     subscribed: Subscribed
     batch: EventBatch
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., end: _Optional[_Union[PortEnd, _Mapping]] = ..., region: _Optional[_Union[ShmRegion, _Mapping]] = ..., subscribed: _Optional[_Union[Subscribed, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ...) -> None: ...
+    steps: StepBatches
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., end: _Optional[_Union[PortEnd, _Mapping]] = ..., region: _Optional[_Union[ShmRegion, _Mapping]] = ..., subscribed: _Optional[_Union[Subscribed, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ..., steps: _Optional[_Union[StepBatches, _Mapping]] = ...) -> None: ...
+
+class StepBatches(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[EventBatch]
+    def __init__(self, steps: _Optional[_Iterable[_Union[EventBatch, _Mapping]]] = ...) -> None: ...
 
 class HiddenBlock(_message.Message):
     __slots__ = ("request_ids", "seqs", "positions", "token_ids", "embeddings", "states", "embeddings_shm", "states_shm")
