@@ -47,7 +47,8 @@ warm_rows = int(sys.argv[4])  # rows of the warm-up steps, before the clock star
 n_bytes = n_msgs = n_ends = n_warm = 0
 checksum = 0.0
 t0 = None
-for m in subscribe_hidden(target, None, shared_memory=shm, blocks=True, widen=False):
+for m in subscribe_hidden(target, None, shared_memory=shm, blocks=True, widen=False,
+                          on_subscribed=lambda: print("subscribed", flush=True)):
     if t0 is None and n_warm >= warm_rows:
         t0 = time.perf_counter()
     if t0 is None and isinstance(m, (HiddenBlock, HiddenWindow)):
@@ -104,8 +105,9 @@ async def transport(hidden: int, dtype: str, batch: int, steps: int, shm: bool,
     for r in range(batch):
         await publisher.end(f"r{r}", "max_length", None)
     await publisher.flush_step()
-    out = json.loads(await asyncio.get_running_loop().run_in_executor(
-        None, lambda: consumer.communicate()[0]))
+    printed = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: consumer.communicate()[0])
+    out = json.loads(printed.splitlines()[-1])  # after the "subscribed" line
     await publisher.close()
     await handle.server.stop(0)
     return {"MB_per_s": out["bytes"] / out["seconds"] / 1e6,
@@ -134,7 +136,8 @@ def decode_slowdown(tmp: Path) -> list[tuple[str, float]]:
                                              "1" if mode == "shared-memory" else "0", "8",
                                              "0"],
                                             stdout=subprocess.PIPE, text=True)
-                time.sleep(1.0)
+                assert consumer.stdout is not None
+                assert consumer.stdout.readline() == "subscribed\n"
             slots = []
             for i in range(8):
                 sid = 100 * len(results) + i

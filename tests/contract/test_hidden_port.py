@@ -46,8 +46,8 @@ def reference(stories: Model, seed: int, max_tokens: int, batch: int = 1) -> tup
 
 
 class Consumer(threading.Thread):
-    """Subscribes at once; with `pause_after`, stops reading after that many messages until
-    `resume` is set."""
+    """Subscribes at once and returns when the stage has acknowledged; with `pause_after`,
+    stops reading after that many messages until `resume` is set."""
 
     def __init__(self, srv: StageServer, request_id: str, pause_after: int | None = None,
                  **kw) -> None:
@@ -56,15 +56,17 @@ class Consumer(threading.Thread):
         self.pause_after, self.resume = pause_after, threading.Event()
         self.messages: list = []
         self.error: grpc.RpcError | None = None
+        self.subscribed = threading.Event()
         self.start()
-        time.sleep(0.1)  # subscribed before the request starts
+        assert self.subscribed.wait(10)  # registered before the request starts
 
     def run(self) -> None:
         # A fixed 64 KiB HTTP/2 window (no BDP growth): what gRPC itself buffers stays small.
         channel = grpc.insecure_channel(self.target, options=[("grpc.http2.bdp_probe", 0)])
         try:
             for msg in subscribe_hidden(self.target, self.request_id, timeout=60,
-                                        channel=channel, **self.kw):
+                                        channel=channel, on_subscribed=self.subscribed.set,
+                                        **self.kw):
                 self.messages.append(msg)
                 if len(self.messages) == self.pause_after:
                     self.resume.wait(30)

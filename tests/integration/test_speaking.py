@@ -52,11 +52,13 @@ class StageWatcher(threading.Thread):
     def __init__(self, endpoint: str) -> None:
         super().__init__(daemon=True)
         self.endpoint, self.windows, self.ends = endpoint, {}, {}
+        self.subscribed = threading.Event()
         self.start()
+        assert self.subscribed.wait(10)
 
     def run(self) -> None:
         try:
-            for m in subscribe_hidden(self.endpoint, None):
+            for m in subscribe_hidden(self.endpoint, None, on_subscribed=self.subscribed.set):
                 if isinstance(m, HiddenWindow):
                     self.windows.setdefault(m.request_id, []).append(m)
                 elif isinstance(m, PortEnd):

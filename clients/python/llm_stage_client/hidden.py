@@ -15,7 +15,7 @@ its bits (np.uint16) instead of widening it to float32.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
@@ -115,10 +115,13 @@ class _Ring:
 
 def subscribe_hidden(target: str, request_id: str | None = None, *, shared_memory: bool = False,
                      timeout: float | None = None, channel: grpc.Channel | None = None,
-                     blocks: bool = False, widen: bool = True
+                     blocks: bool = False, widen: bool = True,
+                     on_subscribed: Callable[[], None] | None = None
                      ) -> Iterator[HiddenWindow | HiddenBlock | PortEnd]:
     """Subscribe to one request (or, with request_id None, every request) of the stage.
-    HiddenBlocks come only with blocks=True (see the module docstring)."""
+    HiddenBlocks come only with blocks=True (see the module docstring). `on_subscribed` is
+    called when the stage acknowledges the subscription: from then on nothing it publishes
+    for the request is missed, so a caller may start the request."""
     dec = _Decoder(widen)
     own = channel is None
     ch = channel or grpc.insecure_channel(target, options=[
@@ -134,6 +137,8 @@ def subscribe_hidden(target: str, request_id: str | None = None, *, shared_memor
         for outer in stage_pb2_grpc.StageStub(ch).Subscribe(req, timeout=timeout):
             kind = outer.WhichOneof("payload")
             if kind == "subscribed":
+                if on_subscribed is not None:
+                    on_subscribed()
                 continue
             if kind == "region":
                 ring = _Ring(outer.region.name)
