@@ -12,7 +12,7 @@ from llm_runner_svc.models import Model
 from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, resolve
 from llm_runner_svc.stage.config import StageConfig
 from llm_runner_svc.stage.request import StageRequest
-from llm_runner_svc.stage.slots import Slot
+from llm_runner_svc.stage.slots import Slot, SlotState, SlotTable
 
 
 class Refusal(Enum):
@@ -96,9 +96,45 @@ def check_prompt(model: Model, runtime: InferenceRuntime, prompt_ids: tuple[int,
         raise Refused(Refusal.PROMPT_TOO_LONG, f"prompt has {len(prompt_ids)} tokens; maxSeq is "
                       f"{runtime.max_seq}, which leaves no room to generate")
     vocab = model.config.vocab_size
-    if max(prompt_ids) >= vocab:
+    bad = max(prompt_ids) if max(prompt_ids) >= vocab else min(prompt_ids)
+    if not 0 <= bad < vocab:
         raise Refused(Refusal.TOKEN_OUT_OF_VOCAB,
-                      f"prompt holds token id {max(prompt_ids)}, outside 0..{vocab - 1}")
+                      f"prompt holds token id {bad}, outside 0..{vocab - 1}")
+
+
+def token_budget(config: StageConfig, max_seq: int, req: StageRequest, num_prompt: int) -> int:
+    """KV positions a request may come to hold: its prompt and what it may generate."""
+    max_new = req.max_tokens or config.sampling.max_generate_length
+    return num_prompt + max(0, min(max_new, max_seq - num_prompt))
+
+
+def is_queued(slot: Slot) -> bool:
+    """Admitted and still to run: not yet joined to a Step stream."""
+    return slot.ended is None and slot.state in (SlotState.ADMITTED, SlotState.PREPARED)
+
+
+def tokens_in_flight(config: StageConfig, max_seq: int, slots: SlotTable) -> int:
+    """The token budgets of every slot whose run has not ended."""
+    return sum(token_budget(config, max_seq, s.request, len(s.prompt_ids)) for s in slots
+               if s.ended is None and s.state is not SlotState.FINISHED)
+
+
+def check_load(config: StageConfig, max_seq: int, slots: SlotTable, num_waiting: int,
+               req: StageRequest, num_prompt: int) -> None:
+    """The stage's own protection: limits on queued requests and on tokens in flight
+    (each off when 0). Requests in the runtime's waiting queue count as queued too."""
+    if config.max_queued:
+        num_queued = sum(1 for s in slots if is_queued(s)) + num_waiting
+        if num_queued >= config.max_queued:
+            raise Refused(Refusal.NO_CAPACITY, f"queue full: {num_queued} requests wait to "
+                          f"run, the limit (maxQueued) is {config.max_queued}")
+    if config.max_tokens_in_flight:
+        held = tokens_in_flight(config, max_seq, slots)
+        need = token_budget(config, max_seq, req, num_prompt)
+        if held + need > config.max_tokens_in_flight:
+            raise Refused(Refusal.NO_CAPACITY, f"token budget full: {held} tokens in flight + "
+                          f"{need} for this request exceed the limit (maxTokensInFlight) of "
+                          f"{config.max_tokens_in_flight}")
 
 
 def build_runtime_request(runtime: InferenceRuntime, slot: Slot) -> tuple[GenerationRequest, int]:

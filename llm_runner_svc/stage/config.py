@@ -26,7 +26,7 @@ from llm_runner_svc.runtime.sampling import SamplingDefaults
 RUNNER = "llm.backbone"
 _BUILTIN = ("stories260K", "smollm2")
 _STAGE_KEYS = {"id", "runner", "artifact", "engine", "emits", "inputs", "maxBatch", "maxSeq",
-               "config", "ports"}
+               "config", "ports", "maxQueued", "maxTokensInFlight"}
 _PORT_KEYS = {"policy", "buffer", "shmRingBytes"}
 _INPUTS = ("request:text", "request:messages", "request:token_ids")
 _EMITS = ("text", "tokens", "hidden")
@@ -63,6 +63,8 @@ class StageConfig:
     hidden_policy: str = "block"  # a full subscriber buffer: "block" the producer or "disconnect"
     hidden_buffer: int = 64  # messages per subscriber
     shm_ring_bytes: int = 64 << 20  # shared-memory ring per subscriber using that transport
+    max_queued: int = 0  # admitted requests not yet decoding, beyond which Admit refuses (0 = off)
+    max_tokens_in_flight: int = 0  # sum of prompt + max new tokens of unended runs (0 = off)
 
     def __post_init__(self) -> None:
         if self.max_batch <= 0:
@@ -74,6 +76,9 @@ class StageConfig:
                               f"{self.hidden_policy!r}")
         if self.hidden_buffer <= 0 or self.shm_ring_bytes < 4096:
             raise ConfigError("ports.hidden: buffer must be positive and shmRingBytes >= 4096")
+        if self.max_queued < 0 or self.max_tokens_in_flight < 0:
+            raise ConfigError(f"maxQueued and maxTokensInFlight must be >= 0 (0 = no limit), "
+                              f"got {self.max_queued} and {self.max_tokens_in_flight}")
         if self.engine not in engine_names():
             raise ConfigError(f"engine {self.engine!r} is unknown; valid: {engine_names()}")
 
@@ -140,7 +145,9 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
         max_seq=_typed(raw, "maxSeq", int, 0), accept_hidden_layer=hidden_layer,
         sampling=sampling, hidden_policy=_typed(hidden, "policy", str, "block", "ports.hidden."),
         hidden_buffer=_typed(hidden, "buffer", int, 64, "ports.hidden."),
-        shm_ring_bytes=_typed(hidden, "shmRingBytes", int, 64 << 20, "ports.hidden."))
+        shm_ring_bytes=_typed(hidden, "shmRingBytes", int, 64 << 20, "ports.hidden."),
+        max_queued=_typed(raw, "maxQueued", int, 0),
+        max_tokens_in_flight=_typed(raw, "maxTokensInFlight", int, 0))
 
 
 def _parse_runner_keys(cfg: Mapping[str, Any]) -> tuple[int, SamplingDefaults, str]:

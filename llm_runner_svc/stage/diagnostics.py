@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from llm_runner_svc.stage.admission import is_queued, tokens_in_flight
 from llm_runner_svc.stage.config import StageConfig
 from llm_runner_svc.stage.slots import Slot, SlotState
 
@@ -43,7 +44,9 @@ def slot_diagnostics(slot: Slot, config: StageConfig) -> dict[str, Any]:
 
 
 def stage_diagnostics(stage: LlmStage) -> dict[str, Any]:
-    slots = stage.slots
+    """Stage-wide state. Every count here returns to its idle value (0, or all pages free)
+    once no request is left, however the requests ended: the reliability suite checks that."""
+    slots, cfg = stage.slots, stage.config
     return {
         "stage_id": stage.config.stage_id,
         "slots": len(slots),
@@ -58,4 +61,11 @@ def stage_diagnostics(stage: LlmStage) -> dict[str, Any]:
         "hidden_subscriptions": stage.hidden.num_subscriptions,
         "hidden_messages_published": stage.hidden.num_messages_published,
         "hidden_bytes_published": stage.hidden.num_bytes_published,
+        "hidden_max_lag": stage.hidden.max_lag,
+        "queued": sum(1 for s in slots if is_queued(s)) + stage.runtime.num_waiting,
+        "tokens_in_flight": tokens_in_flight(cfg, stage.runtime.max_seq, slots),
+        "runs_indexed": stage.num_runs_indexed,
+        "cohort_slots": sum(len(c.joined) for c in stage.loop.cohorts),
+        "max_queued": cfg.max_queued,
+        "max_tokens_in_flight": cfg.max_tokens_in_flight,
     }

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from opentelemetry.trace import Status, StatusCode
@@ -20,6 +20,7 @@ from llm_runner_svc.stage.admission import (
     Admission,
     Refused,
     build_runtime_request,
+    check_load,
     check_prompt,
     check_request,
     tokenize,
@@ -27,6 +28,7 @@ from llm_runner_svc.stage.admission import (
 from llm_runner_svc.stage.config import StageConfig
 from llm_runner_svc.stage.describe import StageDescription, describe
 from llm_runner_svc.stage.diagnostics import slot_diagnostics, stage_diagnostics
+from llm_runner_svc.stage.faults import FaultyRuntime, faults_from_env
 from llm_runner_svc.stage.metrics import StageMetrics
 from llm_runner_svc.stage.publish import HiddenPublisher, Subscriber
 from llm_runner_svc.stage.request import StageRequest
@@ -58,6 +60,7 @@ class LlmStage:
                              self._after_step)
         self.metrics = StageMetrics(self)
         self._reaper: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()  # port ends and closes sent on the side
 
     @classmethod
     def create(cls, config: StageConfig, slot_ttl_s: float = 600.0,
@@ -66,9 +69,12 @@ class LlmStage:
         model = load_model(config.artifact)
         engine = create_engine(config.engine, model.config, model.weights)
         hidden = config.accept_hidden_layer if config.has_hidden_port else None
-        runtime = InferenceRuntime(engine, model.tokenizer, RuntimeConfig(
+        rt_config = RuntimeConfig(
             max_batch=config.max_batch, max_seq=config.max_seq, max_waiting=config.max_waiting,
-            hidden_layer=hidden, sampling=config.sampling))
+            hidden_layer=hidden, sampling=config.sampling)
+        faults = faults_from_env()
+        runtime = InferenceRuntime(engine, model.tokenizer, rt_config) if faults is None \
+            else FaultyRuntime(faults, engine, model.tokenizer, rt_config)
         return cls(config, model, runtime, slot_ttl_s, max_message_bytes)
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -149,6 +155,8 @@ class LlmStage:
             check_request(self.config, self.model, request, num_live)
             prompt_ids = tokenize(self.model, request)
             check_prompt(self.model, self.runtime, prompt_ids)
+            check_load(self.config, self.runtime.max_seq, self.slots, self.runtime.num_waiting,
+                       request, len(prompt_ids))
         except Refused as refused:
             return Admission(False, refused.refusal, refused.reason)
         slot = Slot(slot_id, request, prompt_ids)
@@ -216,7 +224,7 @@ class LlmStage:
             self.runtime.cancel(slot.runtime_id)
             self.loop.wake()
         else:
-            slot.end(FinishReason.CANCELLED)
+            self._end_unstarted(slot, FinishReason.CANCELLED)
         return slot.state, True
 
     async def finish(self, slot_id: int, reason: FinishReason | None,
@@ -246,9 +254,9 @@ class LlmStage:
                 if reason is not None and slot.ended is FinishReason.CANCELLED:
                     slot.ended = reason
             else:
-                slot.end(reason or FinishReason.CANCELLED)
+                self._end_unstarted(slot, reason or FinishReason.CANCELLED)
         slot.state = SlotState.FINISHED
-        self._by_runtime_id.pop(slot.runtime_id, None)
+        self._forget_run(slot)
         slot.diagnostics = slot_diagnostics(slot, self.config)
         return slot
 
@@ -262,7 +270,8 @@ class LlmStage:
         check_slot_id(slot_id)
         if self.slots.get(slot_id) is None:
             return False
-        self.slots.require(slot_id, "Reset")
+        slot = self.slots.require(slot_id, "Reset")
+        self._end_unstarted(slot, FinishReason.CANCELLED)
         self.slots.remove(slot_id)
         return True
 
@@ -279,7 +288,15 @@ class LlmStage:
         return await self.hidden.subscribe(request_id, use_shm)
 
     def unsubscribe(self, sub: Subscriber) -> None:
+        """The subscriber went. Closing it also releases a decode loop held on its full
+        buffer (policy block), which would otherwise wait for a reader that never comes."""
         self.hidden.unsubscribe(sub)
+        self._spawn(sub.close())
+
+    @property
+    def num_runs_indexed(self) -> int:
+        """Runs the step loop can still route events to (RUNNING slots not yet finished)."""
+        return len(self._by_runtime_id)
 
     # ---- internals -------------------------------------------------------------------
     async def _after_step(self, pairs: list[tuple[Slot, StepEvent]]) -> None:
@@ -330,7 +347,31 @@ class LlmStage:
         slot.cohort = cohort
         cohort.add(slot)
         self._by_runtime_id[slot.runtime_id] = slot
+        if isinstance(self.runtime, FaultyRuntime):
+            self.runtime.mark(slot.runtime_id, slot.request.request_id)
         self.loop.wake()
+
+    def _end_unstarted(self, slot: Slot, reason: FinishReason) -> None:
+        """End a run that never joined a cohort. Its hidden-port subscribers still get their
+        terminal message, or a subscriber that came early would wait forever."""
+        if slot.ended is not None or slot.state is SlotState.RUNNING:
+            return
+        slot.end(reason)
+        if slot.request.wants_hidden:
+            self._spawn(self.hidden.end(slot.request.request_id, reason.value, None))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _forget_run(self, slot: Slot) -> None:
+        """The run is over for good: drop every index that points at the slot. A shared Step
+        stream lives for many requests, so its cohort must not keep the slots it served."""
+        self._by_runtime_id.pop(slot.runtime_id, None)
+        cohort = slot.cohort
+        if cohort is not None and cohort.joined.get(slot.slot_id) is slot:
+            del cohort.joined[slot.slot_id]
 
     def _live_runs(self) -> list[Slot]:
         return [s for s in self.slots if s.state is SlotState.RUNNING and s.ended is None]
@@ -338,7 +379,7 @@ class LlmStage:
     def _reap_orphan(self, slot: Slot) -> None:
         """A member whose stream is gone ended: finish it as the stage saw it and free it."""
         slot.state = SlotState.FINISHED
-        self._by_runtime_id.pop(slot.runtime_id, None)
+        self._forget_run(slot)
         if self.slots.get(slot.slot_id) is slot:
             self.slots.remove(slot.slot_id)
         log.info("slot %d (request %s) freed after its Step stream closed (%s)",
@@ -355,4 +396,5 @@ class LlmStage:
                 if is_idle and slot.touched_at < cutoff:
                     log.warning("slot %d idle for %.0f s in %s; dropped", slot.slot_id,
                                 self.slot_ttl_s, slot.state.value)
+                    self._end_unstarted(slot, FinishReason.CANCELLED)
                     self._reap_orphan(slot)

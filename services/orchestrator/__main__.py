@@ -20,13 +20,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50050)
     parser.add_argument("--max-message-mb", type=float, default=16.0)
+    parser.add_argument("--grace-s", type=float, default=10.0,
+                        help="on SIGTERM, how long running requests may take to finish")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on this port (0 = any free)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         options = ServerOptions(host=args.host, port=args.port,
-                                max_message_bytes=int(args.max_message_mb * (1 << 20)))
+                                max_message_bytes=int(args.max_message_mb * (1 << 20)),
+                                grace_s=args.grace_s)
         asyncio.run(serve(load_topology(args.topology), options, args.metrics_port))
     except ServiceError as exc:
         print(f"orchestrator: {exc.code}: {exc.message}", file=sys.stderr)

@@ -157,6 +157,19 @@ class Orchestrator:
             self.num_running -= 1
             self._slots.release()
 
+    def state(self) -> dict[str, int]:
+        """What the orchestrator holds now; every count is 0 when no request is in flight
+        (open Step streams stay, at most one per replica and route in use)."""
+        replicas = [r for pool in self.pools.values() for r in pool.replicas]
+        return {
+            "runs": len(self.runs),
+            "running": self.num_running,
+            "queued": self.num_queued,
+            "in_flight": sum(r.in_flight for r in replicas),
+            "step_streams": sum(r.num_step_streams for r in replicas),
+            "stream_members": sum(r.num_stream_members for r in replicas),
+        }
+
     def cancel(self, request_id: str) -> bool:
         run = self.runs.get(request_id)
         if run is None:

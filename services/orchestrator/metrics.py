@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -29,3 +30,13 @@ class OrchestratorMetrics:
               registry=r).set_function(lambda: orchestrator.num_running)
         Gauge("llmstage_orchestrator_requests_waiting", "Requests queued for admission",
               registry=r).set_function(lambda: orchestrator.num_queued)
+        state = Gauge("llmstage_orchestrator_state",
+                      "What the orchestrator holds now, by kind: runs, in_flight (slots on "
+                      "replicas), step_streams (open Step streams), stream_members",
+                      ["kind"], registry=r)
+        for kind in ("runs", "in_flight", "step_streams", "stream_members"):
+            state.labels(kind).set_function(functools.partial(_read, orchestrator, kind))
+
+
+def _read(orchestrator: Orchestrator, kind: str) -> float:
+    return orchestrator.state()[kind]

@@ -39,6 +39,16 @@ class Replica:
         self._cohorts: dict[str, CohortStream] = {}
         self._probe: asyncio.Task[None] | None = None
 
+    @property
+    def num_step_streams(self) -> int:
+        """Open Step streams to this replica (one per route fingerprint in use)."""
+        return sum(1 for s in self._cohorts.values() if not s.is_closed)
+
+    @property
+    def num_stream_members(self) -> int:
+        """Slots whose updates those streams still route to a request."""
+        return sum(s.num_members for s in self._cohorts.values())
+
     def next_slot_id(self) -> int:
         return next(self._slot_ids)
 
