@@ -92,6 +92,7 @@ class CohortStream:
         except asyncio.CancelledError:
             pass
         self.is_closed = True
+        self._out.put_nowait(None)  # the request generator returns instead of being torn down
         why = f"{error.code().name}: {error.details()}" if error else "the stream ended"
         for sid, sink in list(self._members.items()):
             sink.put_nowait((self.stage_id, Unavailable(

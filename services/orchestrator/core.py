@@ -229,7 +229,9 @@ class Orchestrator:
             yield run.final_cancelled()
 
     def topology_pb(self) -> opb.TopologyResponse:
-        t = self.topology
+        """The topology and the orchestrator's state accounting (with each replica's calls
+        in flight)."""
+        t, state = self.topology, self.state()
         return opb.TopologyResponse(
             stages=[opb.StageInfo(
                 id=s.stage_id, runner=s.runner, emits=list(s.emits), inputs=list(s.inputs),
@@ -238,4 +240,6 @@ class Orchestrator:
                                           in_flight=r.in_flight)
                           for r in self.pools[s.stage_id].replicas]) for s in t.stages],
             sinks=list(t.sinks), default_sinks=list(t.default_sinks), max_running=t.max_running,
-            max_queued=t.max_queued, running=self.num_running, queued=self.num_queued)
+            max_queued=t.max_queued, running=self.num_running, queued=self.num_queued,
+            runs=state["runs"], step_streams=state["step_streams"],
+            stream_members=state["stream_members"])

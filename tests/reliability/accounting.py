@@ -1,9 +1,9 @@
 """State accounting of every service, read over the wire, and the idle check of each.
 
-A runner reports its counters in stage-wide Diagnostics; the orchestrator on its Prometheus
-endpoint (`llmstage_orchestrator_state{kind=...}`) and in Topology; the C++ talker in its
-stage-wide Diagnostics. "Idle" is the value every counter must return to once no request is in
-flight, however the requests ended.
+A runner reports its counters in stage-wide Diagnostics; the orchestrator in Topology (and
+the same counts on its Prometheus endpoint, `llmstage_orchestrator_state{kind=...}`); the C++
+talker in its stage-wide Diagnostics. "Idle" is the value every counter must return to once no
+request is in flight, however the requests ended.
 """
 
 from __future__ import annotations
@@ -51,20 +51,25 @@ def talker_leftovers(s: dict[str, Any]) -> dict[str, Any]:
 
 
 def orchestrator_state(metrics_url: str, stub: Any) -> dict[str, float]:
-    """The orchestrator's state gauges and Topology's running / queued counts."""
+    """The orchestrator's accounting from Topology; its Prometheus gauges must agree."""
+    topo = stub.Topology(opb.TopologyRequest(), timeout=5)
+    out: dict[str, float] = {
+        "runs": topo.runs, "running": topo.running, "queued": topo.queued,
+        "step_streams": topo.step_streams, "stream_members": topo.stream_members,
+        "in_flight": sum(r.in_flight for s in topo.stages for r in s.replicas)}
     text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         if family.name == "llmstage_orchestrator_state":
             for sample in family.samples:
-                out[sample.labels["kind"]] = sample.value
-    topo = stub.Topology(opb.TopologyRequest(), timeout=5)
-    out["running"], out["queued"] = topo.running, topo.queued
+                out[f"metric_{sample.labels['kind']}"] = sample.value
     return out
 
 
 def orchestrator_leftovers(s: dict[str, float]) -> dict[str, float]:
-    return {k: s[k] for k in ORCHESTRATOR_ZERO if s[k] != 0}
+    bad = {k: s[k] for k in ORCHESTRATOR_ZERO if s[k] != 0}
+    bad.update({f"metric_{k}": s[f"metric_{k}"] for k in ORCHESTRATOR_ZERO
+                if f"metric_{k}" in s and s[f"metric_{k}"] != 0})
+    return bad
 
 
 def wait_for(read: Callable[[], dict[str, Any]], leftovers: Callable[[dict[str, Any]], dict],

@@ -103,7 +103,7 @@ class StageInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., runner: _Optional[str] = ..., emits: _Optional[_Iterable[str]] = ..., inputs: _Optional[_Iterable[str]] = ..., on_missing: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ...) -> None: ...
 
 class TopologyResponse(_message.Message):
-    __slots__ = ("stages", "sinks", "default_sinks", "max_running", "max_queued", "running", "queued")
+    __slots__ = ("stages", "sinks", "default_sinks", "max_running", "max_queued", "running", "queued", "runs", "step_streams", "stream_members")
     STAGES_FIELD_NUMBER: _ClassVar[int]
     SINKS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_SINKS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,9 @@ class TopologyResponse(_message.Message):
     MAX_QUEUED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    STEP_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
     sinks: _containers.RepeatedScalarFieldContainer[str]
     default_sinks: _containers.RepeatedScalarFieldContainer[str]
@@ -118,4 +121,7 @@ class TopologyResponse(_message.Message):
     max_queued: int
     running: int
     queued: int
-    def __init__(self, stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., sinks: _Optional[_Iterable[str]] = ..., default_sinks: _Optional[_Iterable[str]] = ..., max_running: _Optional[int] = ..., max_queued: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
+    runs: int
+    step_streams: int
+    stream_members: int
+    def __init__(self, stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., sinks: _Optional[_Iterable[str]] = ..., default_sinks: _Optional[_Iterable[str]] = ..., max_running: _Optional[int] = ..., max_queued: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., runs: _Optional[int] = ..., step_streams: _Optional[int] = ..., stream_members: _Optional[int] = ...) -> None: ...
