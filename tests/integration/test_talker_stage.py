@@ -27,11 +27,29 @@ from services.contract.llmstage.v1 import stage_pb2_grpc, tensor_pb2
 
 HIDDEN = 64
 DECODE_STEPS = 8
+# Malformed hidden-state tensors a thinker might send, and what the talker must say about each.
+BAD_TENSORS = {
+    "rank3": lambda t: tensor_pb2.Tensor(dtype=t.dtype, shape=[*t.shape, 1], data=t.data),
+    "short": lambda t: tensor_pb2.Tensor(dtype=t.dtype, shape=t.shape, data=t.data[:-4]),
+    "int32": lambda t: tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_INT32, shape=t.shape,
+                                         data=t.data),
+    "negative": lambda t: tensor_pb2.Tensor(dtype=t.dtype, shape=[-1, HIDDEN], data=t.data),
+    "wide": lambda t: tensor_pb2.Tensor(dtype=t.dtype, shape=[1, 1 << 20],
+                                        data=bytes(4 << 20)),
+}
+BAD_TENSOR_ERRORS = {
+    "rank3": "states has rank 3; [positions, hidden] expected",
+    "short": "tensor data holds 252 bytes; its shape and dtype need 256",
+    "int32": "tensor dtype DTYPE_INT32 is not a float type",
+    "negative": "tensor shape has a negative extent -1",
+    "wide": "exceeds the talker's limit",
+}
 
 
 class FakeThinker(stage_pb2_grpc.StageServicer):
     """Per request: a prefill window [5, 64], decode windows [1, 64], then end(MAX_LENGTH).
-    Request ids starting "gap" skip seq 4; "slow" ones send 200 windows, 50 ms apart."""
+    Request ids starting "gap" skip seq 4; "slow" ones send 200 windows, 50 ms apart; those
+    starting with a key of BAD_TENSORS send that malformed tensor as their third window."""
 
     def __init__(self) -> None:
         self.sent: dict[str, list[np.ndarray]] = {}
@@ -52,6 +70,9 @@ class FakeThinker(stage_pb2_grpc.StageServicer):
             sent.append(states)
             tensor = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_FLOAT32, shape=[n, HIDDEN],
                                        data=states.tobytes())
+            bad = BAD_TENSORS.get(rid.split("-")[0])
+            if bad is not None and i == 2:
+                tensor = bad(tensor)
             yield pb.SubscribeEvent(request_id=rid, seq=seq, hidden=pb.HiddenStates(
                 start_position=pos, token_ids=[1] * n, states=tensor, is_prefill=i == 0))
             seq, pos = seq + 1, pos + n
@@ -144,6 +165,29 @@ def test_a_seq_gap_ends_the_member_with_an_error(env: SimpleNamespace) -> None:
     diag = MessageToDict(env.stub.Diagnostics(pb.DiagnosticsRequest(slot_id=2)).values)
     assert diag["seq_gaps"] == 1 and diag["finish_reason"] == "error"
     env.stub.Reset(pb.ResetRequest(slot_id=2))
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_TENSORS))
+def test_a_malformed_tensor_ends_the_member_with_an_error(env: SimpleNamespace,
+                                                          kind: str) -> None:
+    slot = 60 + sorted(BAD_TENSORS).index(kind)
+    admit_prepare(env, slot, f"{kind}-1")
+    stream = StepStream(env.stub, [slot], 0)
+    out = stream.collect({slot})[slot]
+    stream.half_close()
+    assert out["reason"] == pb.FINISH_REASON_ERROR
+    assert out["tokens"] == [codec_frame(s[-1]) for s in env.fake.sent[f"{kind}-1"][:2]]
+    fin = env.stub.Finish(pb.FinishRequest(slot_id=slot))
+    assert fin.finish_reason == pb.FINISH_REASON_ERROR
+    assert "bad hidden states (seq 2)" in fin.error and BAD_TENSOR_ERRORS[kind] in fin.error
+    env.stub.Reset(pb.ResetRequest(slot_id=slot))
+    # the talker goes on serving
+    admit_prepare(env, slot, f"r-after-{kind}")
+    stream = StepStream(env.stub, [slot], 0)
+    assert stream.collect({slot})[slot]["reason"] == pb.FINISH_REASON_MAX_LENGTH
+    stream.half_close()
+    env.stub.Finish(pb.FinishRequest(slot_id=slot))
+    env.stub.Reset(pb.ResetRequest(slot_id=slot))
 
 
 def test_cancel_mid_stream(env: SimpleNamespace) -> None:
