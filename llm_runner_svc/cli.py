@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from llm_runner_svc.engines import create_engine, engine_names
 from llm_runner_svc.errors import InvalidArgument, RunnerError
+from llm_runner_svc.export.build_cli import add_build_engine, run_build_engine
 from llm_runner_svc.models import load_model
 from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
 
@@ -107,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    add_build_engine(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -114,6 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "build-engine":
+            return run_build_engine(args)
     except RunnerError as exc:
         print(f"llm-runner: {exc.code}: {exc.message}", file=sys.stderr)
         return 2

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 from llm_runner_svc.engines import create_engine
 from llm_runner_svc.models import Model
 from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
 
+# The engine the runtime and stage tests run on; CI runs them again with LLM_TEST_ENGINE=onnx.
+TEST_ENGINE = os.environ.get("LLM_TEST_ENGINE", "numpy")
+
 
 def make_runtime(model: Model, **cfg) -> InferenceRuntime:
-    """A preallocated runtime over the numpy engine; the caller closes it."""
-    rt = InferenceRuntime(create_engine("numpy", model.config, model.weights), model.tokenizer,
-                          RuntimeConfig(**cfg))
+    """A preallocated runtime over the test engine (numpy unless LLM_TEST_ENGINE names
+    another); the caller closes it."""
+    rt = InferenceRuntime(create_engine(TEST_ENGINE, model.config, model.weights),
+                          model.tokenizer, RuntimeConfig(**cfg))
     rt.preallocate()
     return rt
 
@@ -36,3 +42,4 @@ def solo(stories: Model, spec: dict) -> tuple[list[int], str, str]:
         return tokens, out, reason.value
     finally:
         rt.close()
+

@@ -6,6 +6,7 @@ Tests talk to it only over gRPC, as any client would.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 import time
@@ -14,6 +15,7 @@ from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+from helpers import TEST_ENGINE
 
 from llm_runner_svc.server import create_stage_server, stop_stage_server
 from llm_runner_svc.stage import StageConfig
@@ -28,6 +30,8 @@ class StageServer:
     def __init__(self, config: StageConfig | None = None, slot_ttl_s: float = 600.0,
                  **options: Any) -> None:
         self.config = config or StageConfig(max_seq=512)
+        if self.config.engine == "numpy" and TEST_ENGINE != "numpy":
+            self.config = dataclasses.replace(self.config, engine=TEST_ENGINE)
         self.options = ServerOptions(port=0, **options)
         self.slot_ttl_s = slot_ttl_s
 

@@ -10,6 +10,9 @@ from llm_runner_svc.models.spec import ModelConfig, ModelWeights
 
 _REGISTRY: dict[str, str] = {
     "numpy": "llm_runner_svc.engines.numpy_engine:NumpyEngine",
+    "onnx": "llm_runner_svc.engines.onnx_engine:OnnxEngine",
+    "onnx-fp16": "llm_runner_svc.engines.onnx_engine:OnnxFp16Engine",
+    "tensorrt": "llm_runner_svc.engines.tensorrt_engine:TensorRTEngine",
 }
 
 
@@ -17,13 +20,15 @@ def engine_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_engine(name: str, config: ModelConfig, weights: ModelWeights) -> Engine:
-    """Build the engine registered as `name`; an unknown name lists the valid ones."""
+def create_engine(name: str, config: ModelConfig, weights: ModelWeights,
+                  **options: str) -> Engine:
+    """Build the engine registered as `name`; an unknown name lists the valid ones.
+    `options` go to engines that take them (tensorrt: build_dir, runtime_cache)."""
     target = _REGISTRY.get(name)
     if target is None:
         raise InvalidArgument(
             f"unknown engine {name!r}; valid engines: {', '.join(engine_names())}")
     module_name, cls_name = target.split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
-    engine: Engine = cls(config, weights)
+    engine: Engine = cls(config, weights, **options)
     return engine

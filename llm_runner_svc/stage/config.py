@@ -21,6 +21,7 @@ from typing import Any
 
 from llm_runner_svc.engines import engine_names
 from llm_runner_svc.errors import InvalidArgument, NotFound, RunnerError, Unimplemented
+from llm_runner_svc.export.sidecar import is_build_dir, load_sidecar
 from llm_runner_svc.runtime.sampling import SamplingDefaults
 
 RUNNER = "llm.backbone"
@@ -37,8 +38,8 @@ _NOT_YET = {
     "spec_decode": "speculative decoding is not in this build",
     "visual_pruning": "no perception engine in this build",
     "ple": "per-layer embeddings are not in this build",
-    "runtime_cache": "the TensorRT-RTX engine is not in this build",
 }
+_GRAPH_PLAN_ENGINE = "tensorrt"  # the engine that serves build-engine directories and caches
 
 
 class ConfigError(InvalidArgument):
@@ -65,6 +66,14 @@ class StageConfig:
     shm_ring_bytes: int = 64 << 20  # shared-memory ring per subscriber using that transport
     max_queued: int = 0  # admitted requests not yet decoding, beyond which Admit refuses (0 = off)
     max_tokens_in_flight: int = 0  # sum of prompt + max new tokens of unended runs (0 = off)
+
+    engine_dir: str = ""  # a build-engine directory the engine loads its plan from
+    runtime_cache: str = ""  # the tensorrt engine's runtime cache file (read at start, saved)
+
+    def engine_options(self) -> dict[str, str]:
+        """Keyword arguments for create_engine beyond the model (none for most engines)."""
+        opts = {"build_dir": self.engine_dir, "runtime_cache": self.runtime_cache}
+        return {k: v for k, v in opts.items() if v}
 
     def __post_init__(self) -> None:
         if self.max_batch <= 0:
@@ -127,6 +136,10 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
     inputs = tuple(_str_list(raw, "inputs", list(_INPUTS), _INPUTS))
     cfg = _typed(raw, "config", dict, {})
     hidden_layer, sampling, checkpoint = _parse_runner_keys(cfg)
+    engine = _typed(raw, "engine", str, "numpy")
+    engine_dir, runtime_cache = _graph_plan_keys(artifact, engine, cfg)
+    if engine_dir:
+        artifact = load_sidecar(engine_dir).model
     ports = _typed(raw, "ports", dict, {})
     if set(ports) - {"hidden"}:
         raise ConfigError(f"ports: only 'hidden' takes settings, got {sorted(ports)}")
@@ -140,7 +153,8 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
     if checkpoint:
         artifact = str(Path(artifact) / checkpoint) if artifact not in _BUILTIN else checkpoint
     return StageConfig(
-        stage_id=sid, artifact=artifact, engine=_typed(raw, "engine", str, "numpy"),
+        stage_id=sid, artifact=artifact, engine=engine, engine_dir=engine_dir,
+        runtime_cache=runtime_cache,
         emits=emits, inputs=inputs, max_batch=_typed(raw, "maxBatch", int, 8),
         max_seq=_typed(raw, "maxSeq", int, 0), accept_hidden_layer=hidden_layer,
         sampling=sampling, hidden_policy=_typed(hidden, "policy", str, "block", "ports.hidden."),
@@ -152,7 +166,8 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
 
 def _parse_runner_keys(cfg: Mapping[str, Any]) -> tuple[int, SamplingDefaults, str]:
     known = {"checkpoint", "accept_hidden_layer", "max_generate_length", "temperature", "top_p",
-             "top_k", "lora_adapters", "context_cache", "offload_embedding", *_NOT_YET}
+             "top_k", "lora_adapters", "context_cache", "offload_embedding", "runtime_cache",
+             *_NOT_YET}
     for key in cfg:
         if key not in known:
             raise ConfigError(f"config.{key}: unknown LlmRunner key (valid: {sorted(known)})")
@@ -184,6 +199,21 @@ def _parse_runner_keys(cfg: Mapping[str, Any]) -> tuple[int, SamplingDefaults, s
     except InvalidArgument as exc:
         raise ConfigError(exc.message.replace("config: ", "config.")) from exc
     return layer, sampling, _typed(cfg, "checkpoint", str, "", prefix="config.")
+
+
+def _graph_plan_keys(artifact: str, engine: str, cfg: Mapping[str, Any]) -> tuple[str, str]:
+    """A build-engine directory as `artifact`, and `runtime_cache` (relative to it): only the
+    tensorrt engine reads them."""
+    engine_dir = artifact if artifact not in _BUILTIN and is_build_dir(artifact) else ""
+    cache = _typed(cfg, "runtime_cache", str, "", prefix="config.")
+    if (engine_dir or cache) and engine != _GRAPH_PLAN_ENGINE:
+        what = "config.runtime_cache" if cache else "artifact (a build-engine directory)"
+        raise Unimplemented(f"{what}: cannot be honoured: only the {_GRAPH_PLAN_ENGINE!r} "
+                            f"engine reads it, this stage's engine is {engine!r}")
+    if cache and not Path(cache).is_absolute():
+        base = Path(artifact) if Path(artifact).is_dir() else Path(artifact).parent
+        cache = str(base / cache)
+    return engine_dir, cache
 
 
 def _typed(raw: Mapping[str, Any], key: str, kind: type, default: Any, prefix: str = "") -> Any:

@@ -67,7 +67,8 @@ class LlmStage:
                max_message_bytes: int = 16 << 20) -> LlmStage:
         """Load the model and build the engine and runtime the config names."""
         model = load_model(config.artifact)
-        engine = create_engine(config.engine, model.config, model.weights)
+        engine = create_engine(config.engine, model.config, model.weights,
+                               **config.engine_options())
         hidden = config.accept_hidden_layer if config.has_hidden_port else None
         rt_config = RuntimeConfig(
             max_batch=config.max_batch, max_seq=config.max_seq, max_waiting=config.max_waiting,
