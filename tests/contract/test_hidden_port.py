@@ -253,7 +253,7 @@ def test_a_lagging_whole_stage_reader_gets_its_backlog_whole_and_in_order(
             srv.stub.Finish(pb.FinishRequest(slot_id=sid))
             srv.stub.Reset(pb.ResetRequest(slot_id=sid))
     blocks = [m for m in consumer.messages if isinstance(m, HiddenBlock)]
-    assert len(blocks) >= 29 and all(b.states.shape == (2, 64) for b in blocks)
+    assert blocks and all(b.states.shape == (len(b.request_ids), 64) for b in blocks)
     rows = [w for m in consumer.messages
             for w in (m.windows() if isinstance(m, HiddenBlock) else [m])]
     ref = reference(stories, 3, 30, batch=2)

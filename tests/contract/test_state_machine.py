@@ -62,7 +62,7 @@ def test_running_and_ended_before_finish(server: StageServer) -> None:
     while not (ended and refused):  # the refusal may ride on the end event or come after it
         ev = stream.next()
         refused += list(ev.refused)
-        ended = any(m.status == pb.MEMBER_STATUS_ENDED for m in ev.members)
+        ended |= any(m.status == pb.MEMBER_STATUS_ENDED for m in ev.members)
     assert [(r.slot_id, r.code) for r in refused] == [(3, "FAILED_PRECONDITION")]
     assert "RUNNING" in refused[0].message
     # ended, not finished: still no Prepare/Step/Reset/Diagnostics
