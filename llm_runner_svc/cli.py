@@ -22,6 +22,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="llama2.c .bin, .gguf file or Hugging Face directory "
                         "(default: the embedded stories260K)")
     p.add_argument("--engine", default="numpy", choices=engine_names())
+    p.add_argument("--device", default=None,
+                   help="torch engine only: cpu, cuda or cuda:N (default: a GPU if there is one)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the model's chat template")
     p.add_argument("--temperature", type=float, default=None)
@@ -42,7 +44,10 @@ def _generate(args: argparse.Namespace) -> int:
         ids = model.tokenizer.encode(text, add_bos=False)
     else:
         ids = model.tokenizer.encode(args.prompt, add_bos=model.tokenizer.default_add_bos())
-    engine = create_engine(args.engine, model.config, model.weights)
+    options = {} if args.device is None else {"device": args.device}
+    if options and args.engine != "torch":
+        raise InvalidArgument(f"--device needs --engine torch (got --engine {args.engine})")
+    engine = create_engine(args.engine, model.config, model.weights, **options)
     runtime = InferenceRuntime(engine, model.tokenizer,
                                RuntimeConfig(max_batch=1, max_seq=args.max_seq))
     runtime.preallocate()

@@ -43,3 +43,11 @@ def solo(stories: Model, spec: dict) -> tuple[list[int], str, str]:
     finally:
         rt.close()
 
+
+def drain(rt: InferenceRuntime) -> dict[str, list[int]]:
+    """Step `rt` until it is idle; return each request's generated token ids."""
+    got: dict[str, list[int]] = {}
+    while rt.has_work:
+        for ev in rt.step():
+            got.setdefault(ev.request_id, []).extend(ev.token_ids)
+    return got

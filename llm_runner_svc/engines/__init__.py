@@ -13,6 +13,7 @@ _REGISTRY: dict[str, str] = {
     "onnx": "llm_runner_svc.engines.onnx_engine:OnnxEngine",
     "onnx-fp16": "llm_runner_svc.engines.onnx_engine:OnnxFp16Engine",
     "tensorrt": "llm_runner_svc.engines.tensorrt_engine:TensorRTEngine",
+    "torch": "llm_runner_svc.engines.torch_engine:TorchEngine",
 }
 
 

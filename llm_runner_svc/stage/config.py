@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from llm_runner_svc.runtime.sampling import SamplingDefaults
 RUNNER = "llm.backbone"
 _BUILTIN = ("stories260K", "smollm2")
 _STAGE_KEYS = {"id", "runner", "artifact", "engine", "emits", "inputs", "maxBatch", "maxSeq",
-               "config", "ports", "maxQueued", "maxTokensInFlight"}
+               "config", "ports", "maxQueued", "maxTokensInFlight", "device"}
 _PORT_KEYS = {"policy", "buffer", "shmRingBytes"}
 _INPUTS = ("request:text", "request:messages", "request:token_ids")
 _EMITS = ("text", "tokens", "hidden")
@@ -69,10 +70,12 @@ class StageConfig:
 
     engine_dir: str = ""  # a build-engine directory the engine loads its plan from
     runtime_cache: str = ""  # the tensorrt engine's runtime cache file (read at start, saved)
+    device: str = ""  # the torch engine's device ("cpu", "cuda", "cuda:N"); "" = GPU if any
 
     def engine_options(self) -> dict[str, str]:
         """Keyword arguments for create_engine beyond the model (none for most engines)."""
-        opts = {"build_dir": self.engine_dir, "runtime_cache": self.runtime_cache}
+        opts = {"build_dir": self.engine_dir, "runtime_cache": self.runtime_cache,
+                "device": self.device}
         return {k: v for k, v in opts.items() if v}
 
     def __post_init__(self) -> None:
@@ -90,6 +93,11 @@ class StageConfig:
                               f"got {self.max_queued} and {self.max_tokens_in_flight}")
         if self.engine not in engine_names():
             raise ConfigError(f"engine {self.engine!r} is unknown; valid: {engine_names()}")
+        if self.device and self.engine != "torch":
+            raise ConfigError(f"device: only the 'torch' engine takes one, this stage's engine "
+                              f"is {self.engine!r}")
+        if self.device and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"device: 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 
     @property
     def has_hidden_port(self) -> bool:
@@ -161,7 +169,8 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
         hidden_buffer=_typed(hidden, "buffer", int, 64, "ports.hidden."),
         shm_ring_bytes=_typed(hidden, "shmRingBytes", int, 64 << 20, "ports.hidden."),
         max_queued=_typed(raw, "maxQueued", int, 0),
-        max_tokens_in_flight=_typed(raw, "maxTokensInFlight", int, 0))
+        max_tokens_in_flight=_typed(raw, "maxTokensInFlight", int, 0),
+        device=_typed(raw, "device", str, ""))
 
 
 def _parse_runner_keys(cfg: Mapping[str, Any]) -> tuple[int, SamplingDefaults, str]:

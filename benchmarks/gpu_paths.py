@@ -1,0 +1,125 @@
+"""The measured paths of bench_gpu.py, each returning the median decode-step time (seconds)
+of a batch that decodes together: the runtime in-process, our runner's Stage service over a
+loopback port (one Step stream, every member joined), the orchestrator in front of it, and
+Hugging Face `generate` on the same weights."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Sequence
+
+import grpc
+import torch
+
+from llm_runner_svc.models import Model
+from llm_runner_svc.models.tokenizer import Tokenizer
+from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, resolve
+from services.contract.llmstage.v1 import orchestrator_pb2 as opb
+from services.contract.llmstage.v1 import orchestrator_pb2_grpc, stage_pb2_grpc
+from services.contract.llmstage.v1 import stage_pb2 as pb
+
+
+class IdTokenizer(Tokenizer):
+    """Random-weight models have no vocabulary: each id prints as one character."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.bos_id = None
+        self.eos_ids = ()
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        return [ord(ch) % self.vocab_size for ch in text]
+
+    def decode(self, ids: Sequence[int], after_bos: bool = False) -> str:
+        return "".join(chr(0x4E00 + i % 20000) for i in ids)
+
+
+def in_process(rt: InferenceRuntime, prompts: list[list[int]], steps: int) -> float:
+    for i, ids in enumerate(prompts):
+        rt.submit(GenerationRequest(f"p{i}", ids, resolve(
+            rt.config.sampling, temperature=0.0, max_new_tokens=steps), ignore_eos=True))
+    times = []
+    rt.step()  # every request joins and prefills here; later steps only decode
+    while rt.has_work:
+        t0 = time.perf_counter()
+        rt.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _gaps(stamps: list[float]) -> list[float]:
+    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+
+
+async def grpc_direct(target: str, prompts: list[list[int]], steps: int) -> float:
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = stage_pb2_grpc.StageStub(ch)
+        slots = list(range(1, len(prompts) + 1))
+        for slot, ids in zip(slots, prompts, strict=True):
+            req = pb.GenerationRequest(ignore_eos=True, sampling=pb.SamplingOverrides(
+                temperature=0.0, max_tokens=steps))
+            req.token_ids.ids.extend(ids)
+            assert (await stub.Admit(pb.AdmitRequest(slot_id=slot, request=req))).admitted
+            await stub.Prepare(pb.PrepareRequest(slot_id=slot))
+        q: asyncio.Queue[pb.StepRequest | None] = asyncio.Queue()
+        q.put_nowait(pb.StepRequest(join=slots, credits=64))
+
+        async def requests():
+            while (m := await q.get()) is not None:
+                yield m
+
+        stamps, ended = [], 0
+        async for ev in stub.Step(requests()):
+            q.put_nowait(pb.StepRequest(credits=1))
+            if sum(1 for m in ev.members if m.token_ids) == len(slots):
+                stamps.append(time.perf_counter())
+            ended += sum(1 for m in ev.members if m.status == pb.MEMBER_STATUS_ENDED)
+            if ended == len(slots):
+                q.put_nowait(None)
+        for slot in slots:
+            await stub.Finish(pb.FinishRequest(slot_id=slot))
+            await stub.Reset(pb.ResetRequest(slot_id=slot))
+    return statistics.median(_gaps(stamps))
+
+
+async def grpc_orchestrator(target: str, prompts: list[list[int]], steps: int) -> float:
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
+
+        async def one(ids: list[int]) -> list[float]:
+            req = pb.GenerationRequest(ignore_eos=True, sampling=pb.SamplingOverrides(
+                temperature=0.0, max_tokens=steps))
+            req.token_ids.ids.extend(ids)
+            stamps = []
+            async for ev in stub.Generate(opb.GenerateRequest(request=req)):
+                if ev.HasField("delta"):
+                    stamps.append(time.perf_counter())
+            return _gaps(stamps)
+
+        per = await asyncio.gather(*[one(ids) for ids in prompts])
+    return statistics.median(g for gaps in per for g in gaps)
+
+
+def hf_generate(model: torch.nn.Module, prompts: list[list[int]], steps: int) -> float:
+    """Per-step time of `generate` (greedy, its default cache) from the difference between
+    producing steps + 1 tokens and 1 token, so prefill is left out."""
+    ids = torch.tensor(prompts, device="cuda")
+    mask = torch.ones_like(ids)
+
+    def run(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run(2)
+    return (run(steps + 1) - run(1)) / steps
+
+
+def random_model(name: str, config, weights) -> Model:
+    return Model(name=name, format="random", config=config, weights=weights,
+                 tokenizer=IdTokenizer(config.vocab_size))

@@ -1,0 +1,221 @@
+"""The torch engine: the numpy engine's decoder on a torch device.
+
+On the CPU it computes in float32 with plain torch operations (the same numbers as the numpy
+reference). On CUDA it holds bf16 weights and KV (float32 residual stream, logits and
+sampling), runs the elementwise and attention steps as fused Triton kernels, and replays each
+decode step as a CUDA graph captured per batch-size bucket in `preallocate()`. Attention
+reads only the filled pages of each row. A decode step's one host synchronisation is the copy
+of its new token ids; hidden states stay staged on the device unless a row asked for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from llm_runner_svc.engines.base import DecodeRow, Engine, EnginePlan, HiddenStates, SampleSpec
+from llm_runner_svc.engines.numpy_sampling import apply_logit_bias as host_logit_bias
+from llm_runner_svc.engines.numpy_sampling import sample_rows
+from llm_runner_svc.engines.torch_forward import Forward, has_float32_products
+from llm_runner_svc.engines.torch_graphs import DecodeGraphs, InputStager
+from llm_runner_svc.engines.torch_ops import TorchOps
+from llm_runner_svc.engines.torch_sampling import apply_logit_bias, sample_on_device
+from llm_runner_svc.engines.torch_state import allocate_state, decode_views
+from llm_runner_svc.engines.torch_weights import TorchWeights, load_weights
+from llm_runner_svc.errors import FailedPrecondition, InvalidArgument
+from llm_runner_svc.models.spec import ModelConfig, ModelWeights
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """None or "auto": the first GPU when there is one, else the CPU."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise InvalidArgument(f"device {device!r} is not a torch device ({exc})") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidArgument(f"device {device!r}: the torch engine runs on cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument(f"device {device!r}: this torch build or machine has no CUDA")
+    return dev
+
+
+class TorchEngine(Engine):
+    name = "torch"
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights | TorchWeights,
+                 device: str | torch.device | None = None, dtype: str | None = None,
+                 kernels: str = "auto") -> None:
+        """`dtype`: "float32" or "bfloat16" (default: bf16 on CUDA, float32 on the CPU).
+        `kernels`: "triton" (the CUDA default: fused kernels, decode steps as CUDA graphs), or
+        "torch" for the plain reference ops, run eagerly."""
+        self.config = config
+        self.device = resolve_device(device)
+        default = "bfloat16" if self.device.type == "cuda" else "float32"
+        if (dtype or default) not in _DTYPES:
+            raise InvalidArgument(f"dtype {dtype!r}: one of {sorted(_DTYPES)}")
+        self.dtype = _DTYPES[dtype or default]
+        if kernels == "auto":
+            kernels = "triton" if self.device.type == "cuda" else "torch"
+        if kernels not in ("triton", "torch"):
+            raise InvalidArgument(f"kernels {kernels!r}: 'triton' or 'torch'")
+        self.kernels = kernels
+        self.weights = weights if isinstance(weights, TorchWeights) else load_weights(
+            weights, config, self.device, self.dtype)
+        self._plan: EnginePlan | None = None
+        self._bytes = 0
+        self._greedy_ready = False
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def preallocate(self, plan: EnginePlan) -> None:
+        if self._plan is not None:
+            if plan != self._plan:
+                raise FailedPrecondition("engine already preallocated for another plan")
+            return
+        c = self.config
+        if plan.hidden_layer is not None and not (
+                plan.hidden_layer == -1 or 1 <= plan.hidden_layer <= c.num_layers):
+            raise InvalidArgument(
+                f"accept_hidden_layer must be -1 or in 1..{c.num_layers}, got {plan.hidden_layer}")
+        if self.device.type == "cpu":
+            # A decode step multiplies a few rows by each matrix: on one thread that takes
+            # microseconds, while waking a second one costs more than it saves (tens of
+            # times more where the cores are shared).
+            torch.set_num_threads(1)
+        has_f32 = has_float32_products(self.device, self.dtype)
+        self.state = allocate_state(c, plan, plan.max_batch, self.device, self.dtype,
+                                    has_wide_scratch=not has_f32)
+        self._bytes = self.state.nbytes
+        ops = TorchOps(c, plan.page_size)
+        if self.kernels == "triton":
+            from llm_runner_svc.engines.torch_triton import TritonOps
+
+            num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                       if self.device.type == "cuda" else 1)
+            ops = TritonOps(c, plan.page_size, num_sms)
+            self._bytes += ops.reserve(plan.max_batch, plan.max_seq, self.device)
+        self.forward = Forward(c, self.weights, ops, self.state, plan.hidden_layer,
+                               plan.page_size, has_f32)
+        self.stager = InputStager(self.state, scratch_page=plan.num_pages)
+        self.graphs: DecodeGraphs | None = None
+        self._plan = plan
+        if self.device.type == "cuda" and self.kernels == "triton":
+            with torch.cuda.device(self.device):
+                self.graphs = DecodeGraphs(self.forward, self.state, plan.max_batch,
+                                           capture_hidden=plan.hidden_layer is not None)
+                self.graphs.capture()
+        if self.device.type == "cuda":
+            self._done = torch.cuda.Event()
+            self._ids_host = torch.zeros(plan.max_batch, dtype=torch.int64, pin_memory=True)
+
+    def close(self) -> None:
+        if self._plan is None:
+            return
+        if self.graphs is not None:
+            self.graphs.close()
+        for name in ("graphs", "stager", "forward", "state"):
+            delattr(self, name)
+        self._plan = None
+        self._bytes = 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def memory_bytes(self) -> int:
+        return self._bytes
+
+    def _need_plan(self) -> EnginePlan:
+        if self._plan is None:
+            raise FailedPrecondition("engine used before preallocate()")
+        return self._plan
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
+            raise InvalidArgument(
+                f"token id outside the vocabulary 0..{self.config.vocab_size - 1}")
+
+    # ---- forward ---------------------------------------------------------------------
+    def prefill(self, token_ids: Sequence[int], start_pos: int, page_table: Sequence[int],
+                capture_hidden: bool = False) -> HiddenStates | None:
+        plan = self._need_plan()
+        n_total = len(token_ids)
+        if n_total == 0 or start_pos + n_total > plan.max_seq:
+            raise InvalidArgument(
+                f"prefill of {n_total} tokens at {start_pos} does not fit maxSeq {plan.max_seq}")
+        self._check_ids(token_ids)
+        s = self.state
+        m = min(len(page_table), s.prefill_table.shape[1])
+        s.prefill_table[0, :m].copy_(torch.as_tensor(list(page_table[:m]), dtype=torch.int32))
+        caps: list[tuple[np.ndarray, np.ndarray]] = []
+        n = 0
+        for lo in range(0, n_total, plan.prefill_chunk):
+            chunk = token_ids[lo:lo + plan.prefill_chunk]
+            n = len(chunk)
+            s.prefill_ids[:n].copy_(torch.as_tensor(list(chunk), dtype=torch.int64))
+            self.forward.prefill_chunk(n, start_pos + lo, capture_hidden)
+            if capture_hidden:
+                caps.append((_host_copy(s.cap_emb[:n]), _host_copy(s.cap_state[:n])))
+        self.forward.head(n - 1, 1)
+        self._greedy_ready = False
+        if not capture_hidden:
+            return None
+        return HiddenStates(embeddings=np.concatenate([e for e, _ in caps]),
+                            states=np.concatenate([st for _, st in caps]),
+                            start_position=start_pos)
+
+    def decode(self, rows: Sequence[DecodeRow]) -> list[HiddenStates | None]:
+        plan = self._need_plan()
+        b = len(rows)
+        if not 0 < b <= plan.max_batch:
+            raise InvalidArgument(f"decode batch of {b} rows; maxBatch is {plan.max_batch}")
+        if max(r.position for r in rows) >= plan.max_seq:
+            raise InvalidArgument(f"decode position beyond maxSeq {plan.max_seq}")
+        self._check_ids([r.token_id for r in rows])
+        capture = plan.hidden_layer is not None and any(r.capture_hidden for r in rows)
+        if self.graphs is not None:
+            bucket = self.graphs.bucket_for(b)
+            self.stager.stage(rows, bucket)
+            self.graphs.replay(bucket)
+        else:
+            self.stager.stage(rows, b)
+            ids, positions, tables = decode_views(self.state, b)
+            self.forward.decode(b, ids, positions, tables, capture)
+        self._greedy_ready = True
+        if not capture:
+            return [None] * b
+        emb, states = _host_copy(self.state.cap_emb[:b]), _host_copy(self.state.cap_state[:b])
+        return [HiddenStates(emb[i:i + 1], states[i:i + 1], r.position)
+                if r.capture_hidden else None for i, r in enumerate(rows)]
+
+    def sample(self, specs: Sequence[SampleSpec]) -> list[int]:
+        self._need_plan()
+        n = len(specs)
+        s = self.state
+        if self.device.type == "cpu":
+            logits = s.logits[:n].numpy()
+            host_logit_bias(logits, specs)
+            return sample_rows(logits, specs)
+        is_plain = all(sp.is_greedy and not sp.logit_bias for sp in specs)
+        if not (is_plain and self._greedy_ready):
+            apply_logit_bias(s.logits[:n], specs)
+            sample_on_device(s.logits[:n], specs, s.next_ids[:n])
+        self._ids_host[:n].copy_(s.next_ids[:n], non_blocking=True)
+        self._done.record()
+        self._done.synchronize()  # the step's one wait on the device
+        picks: list[int] = self._ids_host[:n].tolist()
+        return picks
+
+    def logits(self, num_rows: int) -> np.ndarray:
+        self._need_plan()
+        return _host_copy(self.state.logits[:num_rows])
+
+
+def _host_copy(t: torch.Tensor) -> np.ndarray:
+    """A host array that owns its data (a CPU tensor's numpy view would alias a buffer)."""
+    out: np.ndarray = t.to("cpu", copy=True).numpy()
+    return out
+

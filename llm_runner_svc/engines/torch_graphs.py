@@ -1,0 +1,117 @@
+"""Decode-step inputs and CUDA graphs.
+
+`InputStager` writes a batch's token ids, positions and page tables into one packed int32
+buffer (pinned host memory on CUDA, then a single asynchronous copy), rewriting a row's page
+table only when that row's table changed. `DecodeGraphs` captures one decode step per
+batch-size bucket; a batch runs in the smallest bucket that holds it, its padding rows aimed
+at the scratch page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from llm_runner_svc.engines.base import DecodeRow
+from llm_runner_svc.engines.torch_forward import Forward
+from llm_runner_svc.engines.torch_state import RunState, decode_views
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """Powers of two below max_batch, and max_batch itself."""
+    sizes = [1 << i for i in range(max_batch.bit_length()) if (1 << i) < max_batch]
+    return [*sizes, max_batch]
+
+
+class InputStager:
+    def __init__(self, state: RunState, scratch_page: int) -> None:
+        self.device_inputs = state.inputs
+        self._is_cuda = state.inputs.is_cuda
+        if self._is_cuda:
+            self._host = torch.empty(state.inputs.shape, dtype=torch.int32, pin_memory=True)
+            self._copied = torch.cuda.Event()
+        else:
+            self._host = state.inputs
+        self._host_np: np.ndarray = self._host.numpy()
+        self._host_np[:] = scratch_page
+        self._pages = state.prefill_table.shape[1]
+        self._scratch = scratch_page
+        self._bucket = 0
+        self._rows: list[tuple[object, int] | None] = []  # (page list, its length) per row
+
+    def stage(self, rows: Sequence[DecodeRow], bucket: int) -> None:
+        """Write `rows` (padded to `bucket`) and start their copy to the device."""
+        if self._is_cuda:
+            self._copied.synchronize()  # the previous step's copy has left the buffer
+        b, pages = len(rows), self._pages
+        size = bucket * (2 + pages)
+        flat = self._host_np[:size]
+        if bucket != self._bucket:
+            flat[:2 * bucket] = 0
+            flat[2 * bucket:] = self._scratch
+            self._bucket = bucket
+            self._rows = [None] * bucket
+        ids, pos, tables = flat[:bucket], flat[bucket:2 * bucket], flat[2 * bucket:].reshape(
+            bucket, pages)
+        ids[:b] = [r.token_id for r in rows]
+        pos[:b] = [r.position for r in rows]
+        for i, r in enumerate(rows):
+            table, cached = r.page_table, self._rows[i]
+            if cached is None or cached[0] is not table or cached[1] != len(table):
+                m = min(len(table), pages)
+                tables[i, :m] = table[:m]
+                self._rows[i] = (table, len(table))
+        for i in range(b, bucket):
+            if self._rows[i] is not None:
+                ids[i] = pos[i] = 0
+                tables[i] = self._scratch
+                self._rows[i] = None
+        if self._is_cuda:
+            self.device_inputs[:size].copy_(self._host[:size], non_blocking=True)
+            self._copied.record()
+
+
+class DecodeGraphs:
+    """One captured decode step per bucket; `capture_hidden` fixes whether the graphs stage
+    hidden states (they do whenever the plan has a hidden layer)."""
+
+    def __init__(self, forward: Forward, state: RunState, max_batch: int,
+                 capture_hidden: bool) -> None:
+        self.buckets = bucket_sizes(max_batch)
+        self._forward = forward
+        self._state = state
+        self._capture_hidden = capture_hidden
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def bucket_for(self, batch: int) -> int:
+        return next(b for b in self.buckets if b >= batch)
+
+    def _body(self, bucket: int) -> None:
+        ids, positions, tables = decode_views(self._state, bucket)
+        self._forward.decode(bucket, ids, positions, tables, self._capture_hidden)
+
+    def capture(self) -> None:
+        """Warm every bucket up (kernel compilation, library handles) on a side stream, then
+        capture them, largest first, into one shared memory pool."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for bucket in self.buckets:
+                self._body(bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        pool = torch.cuda.graph_pool_handle()
+        for bucket in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._body(bucket)
+            self._graphs[bucket] = graph
+        torch.cuda.synchronize()
+
+    def replay(self, bucket: int) -> None:
+        self._graphs[bucket].replay()
+
+    def close(self) -> None:
+        self._graphs.clear()

@@ -1,0 +1,121 @@
+"""The torch engine's elementwise and attention steps written with plain torch operations.
+
+These run on the CPU (the float32 engine) and on any device as the reference the fused GPU
+kernels (`torch_triton.py`) are checked against; `TritonOps` overrides them one for one.
+Every step computes in float32 and rounds once into its output buffer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from llm_runner_svc.models.spec import ModelConfig, RopeStyle
+
+
+def rope_tables(max_seq: int, head_dim: int, theta: float,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each [max_seq, head_dim / 2] float32, angle = pos * theta^(-2i / head_dim);
+    computed in float64 like the numpy engine's tables, then rounded."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.arange(max_seq, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return (angles.cos().to(device, torch.float32).contiguous(),
+            angles.sin().to(device, torch.float32).contiguous())
+
+
+def pool_slots(positions: torch.Tensor, tables: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Pool row of each position: tables [n, pages] int32, positions [n] -> [n] int64."""
+    pages = tables.gather(1, (positions // page_size)[:, None].to(torch.int64))[:, 0]
+    return pages.to(torch.int64) * page_size + positions % page_size
+
+
+class TorchOps:
+    """Reference implementations; see the module docstring."""
+
+    def __init__(self, config: ModelConfig, page_size: int) -> None:
+        self.config = config
+        self.page_size = page_size
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+        """out = x * weight / sqrt(mean(x^2) + eps) over the last axis; x [n, d] float32."""
+        xf = x.float()
+        inv = torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.config.rms_eps)
+        out.copy_(xf * inv * weight)
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        """out = silu(gate) * up; gate_up [n, 2 ffn] holds gate then up."""
+        ffn = out.shape[-1]
+        gate, up = gate_up[:, :ffn].float(), gate_up[:, ffn:].float()
+        out.copy_(gate / (1.0 + torch.exp(-gate)) * up)
+
+    def rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                   v_pool: torch.Tensor, q_norm: torch.Tensor | None,
+                   k_norm: torch.Tensor | None) -> None:
+        """Normalize (q/k norm models) and rotate q of qkv [n, q + 2 kv] in place; write the
+        rotated k and the v at each position's pool row. positions [n], tables [n, pages].
+        (The k part of qkv is left undefined.)"""
+        c = self.config
+        n = qkv.shape[0]
+        heads = c.num_heads + c.num_kv_heads
+        qk = qkv[:, :c.q_dim + c.kv_dim].view(n, heads, c.head_dim)
+        x = qk.float()
+        if q_norm is not None and k_norm is not None:
+            inv = torch.rsqrt(x.square().mean(-1, keepdim=True) + c.rms_eps)
+            w = torch.cat([q_norm.expand(c.num_heads, -1), k_norm.expand(c.num_kv_heads, -1)])
+            x = x * inv * w
+        cs, sn = cos[positions][:, None, :], sin[positions][:, None, :]  # [n, 1, hd/2]
+        half = c.head_dim // 2
+        if c.rope_style is RopeStyle.INTERLEAVED:
+            a, b = x[..., 0::2], x[..., 1::2]
+            rotated = torch.stack([a * cs - b * sn, b * cs + a * sn], dim=-1).flatten(-2)
+        else:
+            a, b = x[..., :half], x[..., half:]
+            rotated = torch.cat([a * cs - b * sn, b * cs + a * sn], dim=-1)
+        qk.copy_(rotated)
+        slots = pool_slots(positions, tables, self.page_size)
+        k_pool.index_copy_(0, slots, qkv[:, c.q_dim:c.q_dim + c.kv_dim])
+        v_pool.index_copy_(0, slots, qkv[:, c.q_dim + c.kv_dim:])
+
+    def decode_attention(self, qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         positions: torch.Tensor, tables: torch.Tensor,
+                         out: torch.Tensor) -> None:
+        """One query per row over that row's positions 0..pos, read page by page.
+        qkv [b, q + 2 kv], positions [b], tables [b, pages], out [b, q_dim]."""
+        c, ps = self.config, self.page_size
+        b = qkv.shape[0]
+        num_pages = int(positions.max()) // ps + 1
+        span = num_pages * ps
+        rows = (tables[:, :num_pages, None].to(torch.int64) * ps
+                + torch.arange(ps, device=tables.device)).reshape(-1)  # [b * span]
+        g = c.num_heads // c.num_kv_heads
+        keys = k_pool.index_select(0, rows).view(b, span, c.num_kv_heads, c.head_dim).float()
+        vals = v_pool.index_select(0, rows).view(b, span, c.num_kv_heads, c.head_dim).float()
+        q = qkv[:, :c.q_dim].float().view(b, c.num_kv_heads, g, c.head_dim)
+        scores = q @ keys.permute(0, 2, 3, 1) / math.sqrt(c.head_dim)  # [b, kv, g, span]
+        hidden = torch.arange(span, device=qkv.device)[None, :] > positions[:, None]
+        scores.masked_fill_(hidden[:, None, None, :], -math.inf)
+        probs = torch.softmax(scores, dim=-1)
+        out.copy_((probs @ vals.permute(0, 2, 1, 3)).reshape(b, c.q_dim))
+
+
+def prefill_attention(config: ModelConfig, q: torch.Tensor, k_pool: torch.Tensor,
+                      v_pool: torch.Tensor, positions: torch.Tensor, end: int,
+                      table: torch.Tensor, page_size: int, out: torch.Tensor) -> None:
+    """Causal attention of one request's window: q [n, q_dim] at `positions` [n] (ascending,
+    contiguous, ending at end - 1) over that request's pool rows 0..end-1; out [n, q_dim]."""
+    c = config
+    n = q.shape[0]
+    pages = table[:(end - 1) // page_size + 1].to(torch.int64)
+    rows = (pages[:, None] * page_size + torch.arange(page_size, device=q.device)).reshape(-1)
+    span = rows.shape[0]
+    keys = k_pool.index_select(0, rows).view(span, c.num_kv_heads, c.head_dim).float()
+    vals = v_pool.index_select(0, rows).view(span, c.num_kv_heads, c.head_dim).float()
+    visible = torch.arange(span, device=q.device)[None, :] <= positions[:, None]  # [n, span]
+    qh = q.float().view(n, c.num_heads, c.head_dim).transpose(0, 1)  # [heads, n, hd]
+    res = F.scaled_dot_product_attention(
+        qh[None], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None],
+        attn_mask=visible[None, None], scale=1.0 / math.sqrt(c.head_dim), enable_gqa=True)
+    out.copy_(res[0].transpose(0, 1).reshape(n, c.q_dim))

@@ -1,0 +1,89 @@
+"""The torch engine's mutable run state: every buffer a forward touches, claimed once.
+
+`rows` is the most positions one forward carries (the largest decode batch or a prefill
+chunk). The KV pool has one page more than the plan: padding rows of a captured batch size
+read and write that scratch page, never a request's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from llm_runner_svc.engines.base import EnginePlan
+from llm_runner_svc.engines.torch_ops import rope_tables
+from llm_runner_svc.models.spec import ModelConfig
+
+
+@dataclass
+class RunState:
+    x: torch.Tensor  # [rows, hidden] float32 residual stream
+    h: torch.Tensor  # [rows, hidden] normed input of a matrix product
+    qkv: torch.Tensor  # [rows, q_dim + 2 kv_dim]
+    attn: torch.Tensor  # [rows, q_dim]
+    gate_up: torch.Tensor  # [rows, 2 ffn]
+    act: torch.Tensor  # [rows, ffn]
+    k_pool: torch.Tensor  # [layers, (pages + 1) * page_size, kv_dim]
+    v_pool: torch.Tensor  # [layers, (pages + 1) * page_size, kv_dim]
+    logits: torch.Tensor  # [max_batch, vocab] float32
+    next_ids: torch.Tensor  # [max_batch] int64 greedy picks
+    cap_emb: torch.Tensor  # [rows, hidden] float32 staged layer-0 states
+    cap_state: torch.Tensor  # [rows, hidden] float32 staged states of the hidden layer
+    cos: torch.Tensor  # [max_seq, head_dim / 2] float32
+    sin: torch.Tensor  # [max_seq, head_dim / 2] float32
+    arange: torch.Tensor  # [max_seq] int32 positions of a prefill window
+    inputs: torch.Tensor  # [batch * (2 + pages_per_seq)] int32: ids | positions | tables
+    prefill_ids: torch.Tensor  # [prefill_chunk] int64
+    prefill_table: torch.Tensor  # [1, pages_per_seq] int32
+    wide: torch.Tensor  # [max(rows * hidden, max_batch * vocab)] product scratch, when needed
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, f.name).nbytes for f in fields(self))
+
+
+def decode_views(state: RunState, batch: int) -> tuple[torch.Tensor, ...]:
+    """ids [batch], positions [batch], tables [batch, pages] of the packed decode inputs."""
+    pages = state.prefill_table.shape[1]
+    inputs = state.inputs
+    return (inputs[:batch], inputs[batch:2 * batch],
+            inputs[2 * batch:batch * (2 + pages)].view(batch, pages))
+
+
+def allocate_state(config: ModelConfig, plan: EnginePlan, max_batch: int, device: torch.device,
+                   dtype: torch.dtype, has_wide_scratch: bool) -> RunState:
+    c = config
+    rows = max(max_batch, plan.prefill_chunk)
+    pages_per_seq = -(-plan.max_seq // plan.page_size)
+    pool_rows = (plan.num_pages + 1) * plan.page_size
+    cos, sin = rope_tables(plan.max_seq, c.head_dim, c.rope_theta, device)
+    cap_rows = rows if plan.hidden_layer is not None else 0
+
+    def act(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, device=device, dtype=dtype)
+
+    def f32(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, device=device, dtype=torch.float32)
+
+    scratch = plan.num_pages  # page id of the scratch page
+    inputs = torch.full((max_batch * (2 + pages_per_seq),), scratch, dtype=torch.int32,
+                        device=device)
+    inputs[:2 * max_batch] = 0
+    return RunState(
+        x=f32(rows, c.hidden_size), h=act(rows, c.hidden_size),
+        qkv=act(rows, c.q_dim + 2 * c.kv_dim), attn=act(rows, c.q_dim),
+        gate_up=act(rows, 2 * c.intermediate_size), act=act(rows, c.intermediate_size),
+        k_pool=act(c.num_layers, pool_rows, c.kv_dim), v_pool=act(c.num_layers, pool_rows,
+                                                                  c.kv_dim),
+        logits=f32(max_batch, c.vocab_size),
+        next_ids=torch.zeros(max_batch, dtype=torch.int64, device=device),
+        cap_emb=f32(cap_rows, c.hidden_size), cap_state=f32(cap_rows, c.hidden_size),
+        cos=cos, sin=sin,
+        arange=torch.arange(plan.max_seq, dtype=torch.int32, device=device),
+        inputs=inputs,
+        prefill_ids=torch.zeros(plan.prefill_chunk, dtype=torch.int64, device=device),
+        prefill_table=torch.full((1, pages_per_seq), scratch, dtype=torch.int32,
+                                 device=device),
+        wide=act(max(rows * c.hidden_size, max_batch * c.vocab_size) if has_wide_scratch
+                 else 0))

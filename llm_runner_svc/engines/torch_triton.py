@@ -1,0 +1,108 @@
+"""`TritonOps`: the fused GPU kernels behind the same calls as `TorchOps`.
+
+Launch parameters that depend on the batch (how many programs split a row's positions) are
+fixed per batch size, so a captured graph replays them unchanged. Partial-result buffers for
+split rows are claimed in `reserve()`, before any capture.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llm_runner_svc.engines.torch_ops import TorchOps
+from llm_runner_svc.engines.torch_triton_kernels import (
+    combine_kernel,
+    decode_attention_kernel,
+    rms_norm_kernel,
+    rope_store_kernel,
+    silu_mul_kernel,
+)
+from llm_runner_svc.models.spec import ModelConfig, RopeStyle
+
+BLOCK_N = 32  # positions per attention tile
+SILU_BLOCK = 1024
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+class TritonOps(TorchOps):
+    def __init__(self, config: ModelConfig, page_size: int, num_sms: int) -> None:
+        super().__init__(config, page_size)
+        self.num_sms = num_sms
+        self._part: torch.Tensor | None = None  # [rows, heads, splits, hd_p] float32
+        self._lse: torch.Tensor | None = None  # [rows, heads, splits] float32
+        self._max_splits = 1
+        self._hd_p = _pow2(config.head_dim, 16)
+
+    def split_size(self, num_rows: int, max_seq: int) -> int:
+        """Positions per attention program for a batch of `num_rows`: enough programs to
+        give every multiprocessor two, never fewer positions than one tile."""
+        programs = num_rows * self.config.num_kv_heads
+        want_splits = max(1, -(-2 * self.num_sms // programs))
+        split = max(BLOCK_N, _pow2(-(-max_seq // want_splits)))
+        return -(-split // BLOCK_N) * BLOCK_N
+
+    def reserve(self, max_rows: int, max_seq: int, device: torch.device) -> int:
+        """Claim the split partials for batches up to `max_rows`; returns their bytes."""
+        c = self.config
+        self._max_seq = max_seq
+        splits = max(-(-max_seq // self.split_size(b, max_seq)) for b in range(1, max_rows + 1))
+        self._max_splits = splits
+        self._part = torch.empty((max_rows, c.num_heads, splits, self._hd_p), device=device)
+        self._lse = torch.empty((max_rows, c.num_heads, splits), device=device)
+        return self._part.nbytes + self._lse.nbytes
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+        n, d = x.shape
+        block = _pow2(d)
+        rms_norm_kernel[(n,)](x, x.stride(0), weight, out, out.stride(0), d,
+                              self.config.rms_eps, BLOCK=block,
+                              num_warps=8 if block > 2048 else 4)
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        n, ffn = out.shape
+        silu_mul_kernel[(n, -(-ffn // SILU_BLOCK))](
+            gate_up, gate_up.stride(0), out, out.stride(0), ffn, BLOCK=SILU_BLOCK, num_warps=4)
+
+    def rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                   v_pool: torch.Tensor, q_norm: torch.Tensor | None,
+                   k_norm: torch.Tensor | None) -> None:
+        c = self.config
+        n = qkv.shape[0]
+        half = c.head_dim // 2
+        has_norm = q_norm is not None and k_norm is not None
+        rope_store_kernel[(n, c.num_heads + c.num_kv_heads)](
+            qkv, qkv.stride(0), positions, tables, tables.stride(0), cos, sin, k_pool, v_pool,
+            q_norm if has_norm else cos, k_norm if has_norm else cos, c.rms_eps,
+            NUM_HEADS=c.num_heads, NUM_KV=c.num_kv_heads, HD=c.head_dim, HALF=half,
+            HALF_P=_pow2(half), PAGE=self.page_size,
+            INTERLEAVED=c.rope_style is RopeStyle.INTERLEAVED, HAS_QK_NORM=has_norm,
+            num_warps=1)
+
+    def decode_attention(self, qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         positions: torch.Tensor, tables: torch.Tensor,
+                         out: torch.Tensor) -> None:
+        assert self._part is not None and self._lse is not None, "reserve() first"
+        c = self.config
+        b = qkv.shape[0]
+        split = self.split_size(b, self._max_seq)
+        num_splits = -(-self._max_seq // split)
+        group = c.num_heads // c.num_kv_heads
+        decode_attention_kernel[(b, c.num_kv_heads, num_splits)](
+            qkv, qkv.stride(0), k_pool, v_pool, positions, tables, tables.stride(0), out,
+            out.stride(0), self._part, self._lse, 1.0 / math.sqrt(c.head_dim),
+            NUM_KV=c.num_kv_heads, GROUP=group, HD=c.head_dim, HD_P=self._hd_p,
+            PAGE=self.page_size, SPLIT=split, NUM_SPLITS=self._max_splits,
+            BLOCK_H=_pow2(group, 16), BLOCK_N=BLOCK_N, IS_FP32=qkv.dtype == torch.float32,
+            num_warps=4)
+        if num_splits > 1:
+            combine_kernel[(b, c.num_heads)](
+                positions, self._part, self._lse, out, out.stride(0), NUM_HEADS=c.num_heads,
+                HD=c.head_dim, HD_P=self._hd_p, SPLIT=split, NUM_SPLITS=self._max_splits,
+                num_warps=1)
+
