@@ -5,7 +5,10 @@ cohort with live members has a credit, then turns the runtime's per-request even
 `CohortEvent` per cohort. A cohort that is out of credit holds the loop: the slow reader slows
 decoding instead of growing a queue. Cancels still land while the loop is held (they produce
 only terminal updates, at most one per member). Everything here runs on the event loop thread
-except `runtime.step`, which the loop awaits, so stepping and dispatch never overlap.
+except `runtime.step`. When every cohort will still hold a credit after the step that just
+ended is delivered, the next step starts on the worker thread before that delivery (and the
+hidden-port publishing) runs on the event loop, so an accelerator is not left idle while
+Python turns a step into messages; otherwise the loop waits for the reader, as above.
 """
 
 from __future__ import annotations
@@ -161,23 +164,32 @@ class StepLoop:
 
     async def _drive(self) -> None:
         loop = asyncio.get_running_loop()
+        ahead: asyncio.Future[list[StepEvent]] | None = None  # a step started early
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self.runtime.has_work:
-                if any(c.is_blocked for c in self.cohorts):
+            while ahead is not None or self.runtime.has_work:
+                if ahead is None and any(c.is_blocked for c in self.cohorts):
                     if not self.runtime.has_cancels:
                         break  # a grant, join or cancel wakes us
                     await self._publish(self._dispatch(self.runtime.apply_cancels()))
                     continue
+                step = ahead or loop.run_in_executor(self._executor, self.runtime.step)
+                ahead = None
                 try:
-                    events = await loop.run_in_executor(self._executor, self.runtime.step)
+                    events = await step
                 except Exception as exc:
                     log.exception("decode step failed outside any request")
                     for cohort in list(self.cohorts):
                         cohort.fail(Internal(f"decode loop failed: {exc}"))
                     break
+                if self.runtime.has_work and self._can_step_ahead():
+                    ahead = loop.run_in_executor(self._executor, self.runtime.step)
                 await self._publish(self._dispatch(events))
+
+    def _can_step_ahead(self) -> bool:
+        """Every cohort with members keeps a credit after this step's event is delivered."""
+        return all(c.credits >= 2 or not c.members or c.is_closed for c in self.cohorts)
 
     def _dispatch(self, events: list[StepEvent]) -> list[tuple[Slot, StepEvent]]:
         """Route the runtime's events to their slots and cohorts; return (slot, event)."""
