@@ -31,8 +31,11 @@ from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeC
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 BF16_MARGIN = 0.5  # logits: float32 leads clear enough that bf16 rounding cannot flip them
-BF16_HIDDEN_REL = 3e-2
-BF16_KERNEL_REL = 1e-2
+# About a dozen bf16 rounding steps (2^-8 each) at the worst of a few hundred positions: on
+# the H200 (2026-12-03) the worst positions measured 2.8e-2 to 3.5e-2 from float32 (medians
+# near 1e-2), and the fused kernels 4.3e-3 to 2.2e-2 from the plain ops in bf16.
+BF16_HIDDEN_REL = 5e-2
+BF16_KERNEL_REL = 3e-2
 
 
 def _run(model, prompt: list[int], max_new: int, engine: str = "torch", **options):
