@@ -1,7 +1,7 @@
 """The torch engine on a CUDA GPU (CUDA graphs, Triton kernels) against the references.
 
 float32 on the GPU must give the numpy engine's greedy tokens and hidden states within 1e-5.
-bf16 (weights, activations and KV) is checked teacher-forced: both engines are fed the same
+bf16 (weights and KV) is checked teacher-forced: both engines are fed the same
 tokens (the prompt, then the numpy engine's greedy continuation, one decode step at a time),
 so a near-tie that flips one token cannot send the two runs down different texts. At every
 position where the float32 top-1 logit leads the top-2 by more than BF16_MARGIN, the bf16
