@@ -1,4 +1,5 @@
-"""Decode speed of the torch engine on one GPU, in one process, against its baselines.
+"""Decode speed of the torch engine on one GPU, in one process, against its baselines (the
+gRPC clients alone run in a child process, as a caller would).
 
 For each model shape (random bf16 weights at the real shape, drawn once and shared by every
 path) and each batch size, the median time of one decode step, measured five ways:
@@ -120,7 +121,8 @@ def graph_step_ms(engine: TorchEngine, batch: int) -> float:
 
 async def served(engine: TorchEngine, model, rt_config: RuntimeConfig, batches: list[int],
                  prompts: dict[int, list[list[int]]], steps: int) -> dict[int, dict]:
-    """The runner's Stage service and the orchestrator on loopback ports, in this process."""
+    """The runner's Stage service and the orchestrator on loopback ports, in this process; each
+    client in a child process."""
     config = StageConfig(stage_id="backbone", engine="torch", max_batch=rt_config.max_batch,
                          max_seq=rt_config.max_seq)
     stage = LlmStage(config, model, InferenceRuntime(engine, model.tokenizer, rt_config))
@@ -133,9 +135,9 @@ async def served(engine: TorchEngine, model, rt_config: RuntimeConfig, batches: 
     out: dict[int, dict] = {}
     try:
         for b in batches:
-            direct = await gpu_paths.grpc_direct(target, prompts[b], steps)
-            via = await gpu_paths.grpc_orchestrator(f"127.0.0.1:{orch_handle.port}",
-                                                    prompts[b], steps)
+            direct = await gpu_paths.client_process("grpc_direct", target, prompts[b], steps)
+            via = await gpu_paths.client_process(
+                "grpc_orchestrator", f"127.0.0.1:{orch_handle.port}", prompts[b], steps)
             out[b] = {"grpc_ms": 1000 * direct, "orchestrator_ms": 1000 * via}
     finally:
         await orch_handle.server.stop(0)

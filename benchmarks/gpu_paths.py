@@ -1,12 +1,20 @@
 """The measured paths of bench_gpu.py, each returning the median decode-step time (seconds)
 of a batch that decodes together: the runtime in-process, our runner's Stage service over a
 loopback port (one Step stream, every member joined), the orchestrator in front of it, and
-Hugging Face `generate` on the same weights."""
+Hugging Face `generate` on the same weights.
+
+The gRPC clients run in a child process (`client_process`), as a real caller does, so the
+client's own decoding does not share the serving process's interpreter and event loop:
+`python gpu_paths.py grpc_direct|grpc_orchestrator TARGET STEPS` with the prompts as JSON on
+stdin prints the median step time.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 
@@ -123,3 +131,20 @@ def hf_generate(model: torch.nn.Module, prompts: list[list[int]], steps: int) ->
 def random_model(name: str, config, weights) -> Model:
     return Model(name=name, format="random", config=config, weights=weights,
                  tokenizer=IdTokenizer(config.vocab_size))
+
+
+async def client_process(path: str, target: str, prompts: list[list[int]], steps: int) -> float:
+    """Run the gRPC client `path` in a child process; its median step time (seconds)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, path, target, str(steps), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate(json.dumps(prompts).encode())
+    if proc.returncode != 0:
+        raise RuntimeError(f"{path} client exited with {proc.returncode}")
+    return float(out.decode().split()[-1])
+
+
+if __name__ == "__main__":
+    _path, _target, _steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    _client = {"grpc_direct": grpc_direct, "grpc_orchestrator": grpc_orchestrator}[_path]
+    print(asyncio.run(_client(_target, json.load(sys.stdin), _steps)))
