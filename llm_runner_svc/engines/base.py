@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from llm_runner_svc.errors import FailedPrecondition, InvalidArgument
 from llm_runner_svc.models.spec import ModelConfig
 
 GREEDY_TEMPERATURE = 1e-3
@@ -106,3 +107,32 @@ class Engine(ABC):
     def memory_bytes(self) -> int:
         """Bytes held by preallocated buffers (weights excluded); 0 before preallocate."""
         return 0
+
+
+# ---- argument checks every engine makes the same way ---------------------------------------
+
+def is_same_plan(current: EnginePlan | None, plan: EnginePlan) -> bool:
+    """True when `preallocate(plan)` has already run (a no-op); an error for another plan."""
+    if current is None:
+        return False
+    if plan != current:
+        raise FailedPrecondition("engine already preallocated for another plan")
+    return True
+
+
+def check_hidden_layer(config: ModelConfig, plan: EnginePlan) -> None:
+    layer = plan.hidden_layer
+    if layer is not None and not (layer == -1 or 1 <= layer <= config.num_layers):
+        raise InvalidArgument(
+            f"accept_hidden_layer must be -1 or in 1..{config.num_layers}, got {layer}")
+
+
+def check_prefill_fits(plan: EnginePlan, num_tokens: int, start_pos: int) -> None:
+    if num_tokens == 0 or start_pos + num_tokens > plan.max_seq:
+        raise InvalidArgument(
+            f"prefill of {num_tokens} tokens at {start_pos} does not fit maxSeq {plan.max_seq}")
+
+
+def check_token_ids(config: ModelConfig, token_ids: Sequence[int]) -> None:
+    if min(token_ids) < 0 or max(token_ids) >= config.vocab_size:
+        raise InvalidArgument(f"token id outside the vocabulary 0..{config.vocab_size - 1}")

@@ -14,7 +14,16 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from llm_runner_svc.engines.base import DecodeRow, Engine, EnginePlan, HiddenStates, SampleSpec
+from llm_runner_svc.engines.base import (
+    DecodeRow,
+    Engine,
+    EnginePlan,
+    HiddenStates,
+    SampleSpec,
+    check_prefill_fits,
+    check_token_ids,
+    is_same_plan,
+)
 from llm_runner_svc.engines.graph_kv import HostKvPool, decode_inputs, prefill_inputs
 from llm_runner_svc.engines.numpy_sampling import apply_logit_bias, sample_rows
 from llm_runner_svc.errors import FailedPrecondition, InvalidArgument
@@ -59,9 +68,7 @@ class GraphEngine(Engine):
 
     # ---- lifecycle -------------------------------------------------------------------
     def preallocate(self, plan: EnginePlan) -> None:
-        if self._plan is not None:
-            if plan != self._plan:
-                raise FailedPrecondition("engine already preallocated for another plan")
+        if is_same_plan(self._plan, plan):
             return
         c = self.config
         # the export refuses a hidden layer the model does not have; a build's was checked
@@ -94,10 +101,8 @@ class GraphEngine(Engine):
                 capture_hidden: bool = False) -> HiddenStates | None:
         plan, executor = self._need_plan()
         n_total = len(token_ids)
-        if n_total == 0 or start_pos + n_total > plan.max_seq:
-            raise InvalidArgument(
-                f"prefill of {n_total} tokens at {start_pos} does not fit maxSeq {plan.max_seq}")
-        self._check_ids(token_ids)
+        check_prefill_fits(plan, n_total, start_pos)
+        check_token_ids(self.config, token_ids)
         rows = self._kv.pool_rows(page_table, start_pos + n_total)  # [positions]
         caps: list[tuple[np.ndarray, np.ndarray]] = []
         out: dict[str, np.ndarray] = {}
@@ -125,7 +130,7 @@ class GraphEngine(Engine):
             raise InvalidArgument(f"decode of {b} rows up to position {int(pos.max())}; "
                                   f"maxBatch is {plan.max_batch}, maxSeq {plan.max_seq}")
         ids = [r.token_id for r in rows]
-        self._check_ids(ids)
+        check_token_ids(self.config, ids)
         past = int(pos.max())
         windows = np.stack([self._kv.pool_rows(r.page_table, past + 1) for r in rows])
         feeds = decode_inputs(ids, pos)
@@ -148,7 +153,3 @@ class GraphEngine(Engine):
         self._need_plan()
         return self._logits[:num_rows]
 
-    def _check_ids(self, token_ids: Sequence[int]) -> None:
-        vocab = self.config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise InvalidArgument(f"token id outside the vocabulary 0..{vocab - 1}")

@@ -14,7 +14,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llm_runner_svc.engines.base import DecodeRow, Engine, EnginePlan, HiddenStates, SampleSpec
+from llm_runner_svc.engines.base import (
+    DecodeRow,
+    Engine,
+    EnginePlan,
+    HiddenStates,
+    SampleSpec,
+    check_hidden_layer,
+    check_prefill_fits,
+    check_token_ids,
+    is_same_plan,
+)
 from llm_runner_svc.engines.numpy_kernels import apply_rope, rms_norm, rope_tables, softmax_
 from llm_runner_svc.engines.numpy_sampling import apply_logit_bias, sample_rows
 from llm_runner_svc.errors import FailedPrecondition, InvalidArgument
@@ -76,15 +86,10 @@ class NumpyEngine(Engine):
 
     # ---- lifecycle -------------------------------------------------------------------
     def preallocate(self, plan: EnginePlan) -> None:
-        if self._plan is not None:
-            if plan != self._plan:
-                raise FailedPrecondition("engine already preallocated for another plan")
+        if is_same_plan(self._plan, plan):
             return
         c = self.config
-        if plan.hidden_layer is not None and not (
-                plan.hidden_layer == -1 or 1 <= plan.hidden_layer <= c.num_layers):
-            raise InvalidArgument(
-                f"accept_hidden_layer must be -1 or in 1..{c.num_layers}, got {plan.hidden_layer}")
+        check_hidden_layer(c, plan)
         rows = max(plan.max_batch, plan.prefill_chunk)
         qkv_dim = c.q_dim + 2 * c.kv_dim
         # Token-major pool, keys and values side by side as they leave the qkv matmul: page p
@@ -131,9 +136,7 @@ class NumpyEngine(Engine):
                 capture_hidden: bool = False) -> HiddenStates | None:
         plan = self._need_plan()
         n_total = len(token_ids)
-        if n_total == 0 or start_pos + n_total > plan.max_seq:
-            raise InvalidArgument(
-                f"prefill of {n_total} tokens at {start_pos} does not fit maxSeq {plan.max_seq}")
+        check_prefill_fits(plan, n_total, start_pos)
         hidden = self.config.hidden_size
         caps: list[tuple[np.ndarray, np.ndarray]] = []
         table = np.asarray(page_table, dtype=np.int64)
@@ -199,10 +202,8 @@ class NumpyEngine(Engine):
 
     # ---- internals -------------------------------------------------------------------
     def _embed(self, token_ids: Sequence[int], n: int) -> None:
+        check_token_ids(self.config, token_ids)
         ids = np.fromiter(token_ids, dtype=np.int64, count=n)
-        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
-            raise InvalidArgument(
-                f"token id outside the vocabulary 0..{self.config.vocab_size - 1}")
         np.take(self._emb, ids, axis=0, out=self._x[:n])
 
     def _run_layers(self, n: int, pos: np.ndarray, attend: Callable[..., None],

@@ -15,7 +15,17 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from llm_runner_svc.engines.base import DecodeRow, Engine, EnginePlan, HiddenStates, SampleSpec
+from llm_runner_svc.engines.base import (
+    DecodeRow,
+    Engine,
+    EnginePlan,
+    HiddenStates,
+    SampleSpec,
+    check_hidden_layer,
+    check_prefill_fits,
+    check_token_ids,
+    is_same_plan,
+)
 from llm_runner_svc.engines.numpy_sampling import apply_logit_bias as host_logit_bias
 from llm_runner_svc.engines.numpy_sampling import sample_rows
 from llm_runner_svc.engines.torch_forward import Forward, has_float32_products
@@ -73,15 +83,10 @@ class TorchEngine(Engine):
 
     # ---- lifecycle -------------------------------------------------------------------
     def preallocate(self, plan: EnginePlan) -> None:
-        if self._plan is not None:
-            if plan != self._plan:
-                raise FailedPrecondition("engine already preallocated for another plan")
+        if is_same_plan(self._plan, plan):
             return
         c = self.config
-        if plan.hidden_layer is not None and not (
-                plan.hidden_layer == -1 or 1 <= plan.hidden_layer <= c.num_layers):
-            raise InvalidArgument(
-                f"accept_hidden_layer must be -1 or in 1..{c.num_layers}, got {plan.hidden_layer}")
+        check_hidden_layer(c, plan)
         if self.device.type == "cpu":
             # A decode step multiplies a few rows by each matrix: on one thread that takes
             # microseconds, while waking a second one costs more than it saves (tens of
@@ -133,20 +138,13 @@ class TorchEngine(Engine):
             raise FailedPrecondition("engine used before preallocate()")
         return self._plan
 
-    def _check_ids(self, ids: Sequence[int]) -> None:
-        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
-            raise InvalidArgument(
-                f"token id outside the vocabulary 0..{self.config.vocab_size - 1}")
-
     # ---- forward ---------------------------------------------------------------------
     def prefill(self, token_ids: Sequence[int], start_pos: int, page_table: Sequence[int],
                 capture_hidden: bool = False) -> HiddenStates | None:
         plan = self._need_plan()
         n_total = len(token_ids)
-        if n_total == 0 or start_pos + n_total > plan.max_seq:
-            raise InvalidArgument(
-                f"prefill of {n_total} tokens at {start_pos} does not fit maxSeq {plan.max_seq}")
-        self._check_ids(token_ids)
+        check_prefill_fits(plan, n_total, start_pos)
+        check_token_ids(self.config, token_ids)
         s = self.state
         m = min(len(page_table), s.prefill_table.shape[1])
         s.prefill_table[0, :m].copy_(torch.as_tensor(list(page_table[:m]), dtype=torch.int32))
@@ -174,7 +172,7 @@ class TorchEngine(Engine):
             raise InvalidArgument(f"decode batch of {b} rows; maxBatch is {plan.max_batch}")
         if max(r.position for r in rows) >= plan.max_seq:
             raise InvalidArgument(f"decode position beyond maxSeq {plan.max_seq}")
-        self._check_ids([r.token_id for r in rows])
+        check_token_ids(self.config, [r.token_id for r in rows])
         capture = plan.hidden_layer is not None and any(r.capture_hidden for r in rows)
         if self.graphs is not None:
             bucket = self.graphs.bucket_for(b)
