@@ -112,41 +112,41 @@ class BatchMessage:
 
 
 @dataclass
-class _StepBatch:
-    """A whole-stage subscriber's share of one step; decode rows kept column by column."""
+class _Columns:
+    """Decode rows column by column; the arrays are the engine's, unchanged until flush_step."""
 
-    sub: Subscriber
-    messages: list[HiddenMessage | EndMessage] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
     seqs: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    embeddings: list[np.ndarray] = field(default_factory=list)  # the engine's row arrays,
-    states: list[np.ndarray] = field(default_factory=list)  # unchanged until flush_step
+    embeddings: list[np.ndarray] = field(default_factory=list)
+    states: list[np.ndarray] = field(default_factory=list)
+
+    def extend(self, other: _Columns) -> None:
+        self.request_ids += other.request_ids
+        self.seqs += other.seqs
+        self.positions += other.positions
+        self.token_ids += other.token_ids
+        self.embeddings += other.embeddings
+        self.states += other.states
+
+
+@dataclass
+class _StepBatch:
+    """A whole-stage subscriber's share of one step."""
+
+    sub: Subscriber
+    messages: list[HiddenMessage | EndMessage] = field(default_factory=list)
+    rows: _Columns = field(default_factory=_Columns)
     dtype: str = ""
     width: int = 0
 
     def add_rows(self, cols: _Columns, dtype: str, width: int) -> None:
-        if self.request_ids and (dtype, width) != (self.dtype, self.width):
+        if self.rows.request_ids and (dtype, width) != (self.dtype, self.width):
             raise ValueError(f"a step mixes {self.dtype}[{self.width}] and {dtype}[{width}] "
                              "decode rows")
         self.dtype, self.width = dtype, width
-        self.request_ids += cols.request_ids
-        self.seqs += cols.seqs
-        self.positions += cols.positions
-        self.token_ids += cols.token_ids
-        self.embeddings += cols.embeddings
-        self.states += cols.states
-
-
-@dataclass
-class _Columns:
-    request_ids: list[str]
-    seqs: list[int]
-    positions: list[int]
-    token_ids: list[int]
-    embeddings: list[np.ndarray]
-    states: list[np.ndarray]
+        self.rows.extend(cols)
 
 
 @dataclass(frozen=True)
@@ -285,7 +285,7 @@ class HiddenPublisher:
     async def flush_step(self) -> None:
         step, self._step = self._step, None
         for batch in (step or {}).values():
-            block = await self._block(batch) if batch.request_ids else None
+            block = await self._block(batch) if batch.rows.request_ids else None
             if not batch.sub.is_closed:
                 await batch.sub.put(BatchMessage(tuple(batch.messages), block))
 
@@ -303,11 +303,11 @@ class HiddenPublisher:
 
     async def _block(self, batch: _StepBatch) -> BlockMessage:
         """The step's rows stacked: one copy into the ring, or one into the message."""
-        shape = (len(batch.request_ids), batch.width)
-        e, s = await self._tensors(batch.sub, batch.embeddings, batch.states, shape,
-                                   batch.dtype)
-        return BlockMessage(tuple(batch.request_ids), tuple(batch.seqs),
-                            tuple(batch.positions), tuple(batch.token_ids), e, s)
+        rows = batch.rows
+        shape = (len(rows.request_ids), batch.width)
+        e, s = await self._tensors(batch.sub, rows.embeddings, rows.states, shape, batch.dtype)
+        return BlockMessage(tuple(rows.request_ids), tuple(rows.seqs), tuple(rows.positions),
+                            tuple(rows.token_ids), e, s)
 
     async def subscribe(self, request_id: str | None, use_shm: bool) -> Subscriber:
         """Register a subscriber; with shared memory its ring is made (and its pages faulted
