@@ -25,7 +25,13 @@ from llm_runner_svc.engines.base import (
     check_token_ids,
     is_same_plan,
 )
-from llm_runner_svc.engines.numpy_kernels import apply_rope, rms_norm, rope_tables, softmax_
+from llm_runner_svc.engines.numpy_kernels import (
+    apply_rope,
+    rms_norm,
+    rope_tables,
+    round_to_bf16,
+    softmax_,
+)
 from llm_runner_svc.engines.numpy_sampling import apply_logit_bias, sample_rows
 from llm_runner_svc.errors import FailedPrecondition, InvalidArgument
 from llm_runner_svc.models.spec import ModelConfig, ModelWeights
@@ -53,8 +59,15 @@ class _Layer:
 class NumpyEngine(Engine):
     name = "numpy"
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights) -> None:
+    def __init__(self, config: ModelConfig, weights: ModelWeights,
+                 kv_dtype: str = "float32") -> None:
+        """`kv_dtype` "bfloat16" rounds keys and values to bf16 as they enter the (float32)
+        pool: the storage precision of an engine with a bf16 KV cache, everything else in
+        float32, as a reference for such an engine."""
         weights.check(config)
+        if kv_dtype not in ("float32", "bfloat16"):
+            raise InvalidArgument(f"kv_dtype {kv_dtype!r}: 'float32' or 'bfloat16'")
+        self._round_kv = kv_dtype == "bfloat16"
         self.config = config
         c = config
         self._emb = np.ascontiguousarray(weights.embedding, dtype=np.float32)  # [vocab, hidden]
@@ -246,12 +259,15 @@ class NumpyEngine(Engine):
         if capture and hl == -1:
             rms_norm(x, self._final_norm, c.rms_eps, out=self._cap_state[:n])
 
+    def _kv_in(self, kv: np.ndarray) -> np.ndarray:
+        return round_to_bf16(kv) if self._round_kv else kv
+
     def _attend_prefill(self, layer: int, q: np.ndarray, kv: np.ndarray, table: np.ndarray,
                         pos: np.ndarray) -> None:
         """q [n, q_dim], kv [n, 2 kv_dim] of one request at positions `pos` [n]."""
         c, ps = self.config, self._need_plan().page_size
         n = q.shape[0]
-        self._kv_pool[layer][table[pos // ps] * ps + pos % ps] = kv
+        self._kv_pool[layer][table[pos // ps] * ps + pos % ps] = self._kv_in(kv)
         end = int(pos[-1]) + 1
         pages = table[:(end - 1) // ps + 1]
         span = pages.shape[0] * ps
@@ -275,7 +291,7 @@ class NumpyEngine(Engine):
         """q [b, q_dim], kv [b, 2 kv_dim], one position per row written at pool rows `slots`."""
         c = self.config
         b = q.shape[0]
-        self._kv_pool[layer][slots] = kv
+        self._kv_pool[layer][slots] = self._kv_in(kv)
         span = gather.shape[0] // b
         g = c.num_heads // c.num_kv_heads
         window = np.take(self._kv_pool[layer], gather, axis=0).reshape(

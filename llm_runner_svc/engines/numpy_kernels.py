@@ -45,3 +45,13 @@ def softmax_(scores: np.ndarray) -> None:
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
+
+
+def round_to_bf16(a: np.ndarray) -> np.ndarray:
+    """float32 `a` rounded to the nearest bf16 value (ties to even), still float32: what a
+    bf16 store and load give back. Finite inputs only."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) \
+        & np.uint32(0xFFFF0000)
+    out: np.ndarray = rounded.view(np.float32)
+    return out

@@ -38,6 +38,7 @@ from llm_runner_svc.errors import FailedPrecondition, InvalidArgument
 from llm_runner_svc.models.spec import ModelConfig, ModelWeights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+FUSED_ROWS = 1  # batch 1; the fused kernel's few-row variants lose to cuBLAS
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -60,10 +61,13 @@ class TorchEngine(Engine):
 
     def __init__(self, config: ModelConfig, weights: ModelWeights | TorchWeights,
                  device: str | torch.device | None = None, dtype: str | None = None,
-                 kernels: str = "auto") -> None:
+                 kernels: str = "auto", fused_rows: int = FUSED_ROWS) -> None:
         """`dtype`: "float32" or "bfloat16" (default: bf16 on CUDA, float32 on the CPU).
         `kernels`: "triton" (the CUDA default: fused kernels, decode steps as CUDA graphs), or
-        "torch" for the plain reference ops, run eagerly."""
+        "torch" for the plain reference ops, run eagerly.
+        `fused_rows`: with triton kernels and bf16 weights, decode batches of at most this
+        many rows (and every prefill window) run on the fused products of
+        torch_triton_products.py; larger batches on cuBLAS. 0 turns the fused products off."""
         self.config = config
         self.device = resolve_device(device)
         default = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -75,6 +79,9 @@ class TorchEngine(Engine):
         if kernels not in ("triton", "torch"):
             raise InvalidArgument(f"kernels {kernels!r}: 'triton' or 'torch'")
         self.kernels = kernels
+        if fused_rows < 0:
+            raise InvalidArgument(f"fused_rows {fused_rows}: must be 0 or more")
+        self.fused_rows = fused_rows
         self.weights = weights if isinstance(weights, TorchWeights) else load_weights(
             weights, config, self.device, self.dtype)
         self._plan: EnginePlan | None = None
@@ -93,8 +100,10 @@ class TorchEngine(Engine):
             # times more where the cores are shared).
             torch.set_num_threads(1)
         has_f32 = has_float32_products(self.device, self.dtype)
+        has_fused = (self.kernels == "triton" and self.dtype == torch.bfloat16
+                     and self.fused_rows > 0)
         self.state = allocate_state(c, plan, plan.max_batch, self.device, self.dtype,
-                                    has_wide_scratch=not has_f32)
+                                    has_wide_scratch=not has_f32, has_fused=has_fused)
         self._bytes = self.state.nbytes
         ops = TorchOps(c, plan.page_size)
         if self.kernels == "triton":
@@ -102,10 +111,10 @@ class TorchEngine(Engine):
 
             num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                        if self.device.type == "cuda" else 1)
-            ops = TritonOps(c, plan.page_size, num_sms)
+            ops = TritonOps(c, plan.page_size, num_sms, has_fused)
             self._bytes += ops.reserve(plan.max_batch, plan.max_seq, self.device)
         self.forward = Forward(c, self.weights, ops, self.state, plan.hidden_layer,
-                               plan.page_size, has_f32)
+                               plan.page_size, has_f32, self.fused_rows)
         self.stager = InputStager(self.state, scratch_page=plan.num_pages)
         self.graphs: DecodeGraphs | None = None
         self._plan = plan
@@ -157,7 +166,7 @@ class TorchEngine(Engine):
             self.forward.prefill_chunk(n, start_pos + lo, capture_hidden)
             if capture_hidden:
                 caps.append((_host_copy(s.cap_emb[:n]), _host_copy(s.cap_state[:n])))
-        self.forward.head(n - 1, 1)
+        self.forward.head(n - 1, 1, self.forward.fuses(1, is_decode=False))
         self._greedy_ready = False
         if not capture_hidden:
             return None

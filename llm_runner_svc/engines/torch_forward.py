@@ -15,6 +15,7 @@ import torch
 
 from llm_runner_svc.engines.torch_ops import TorchOps, prefill_attention
 from llm_runner_svc.engines.torch_state import RunState
+from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE
 from llm_runner_svc.engines.torch_weights import TorchWeights
 from llm_runner_svc.models.spec import ModelConfig
 
@@ -41,7 +42,7 @@ def has_float32_products(device: torch.device, dtype: torch.dtype) -> bool:
 class Forward:
     def __init__(self, config: ModelConfig, weights: TorchWeights, ops: TorchOps,
                  state: RunState, hidden_layer: int | None, page_size: int,
-                 has_f32_products: bool) -> None:
+                 has_f32_products: bool, fused_rows: int = 0) -> None:
         self.config = config
         self.weights = weights
         self.ops = ops
@@ -49,6 +50,8 @@ class Forward:
         self.hidden_layer = hidden_layer
         self.page_size = page_size
         self.has_f32_products = has_f32_products
+        self.products = getattr(ops, "products", None)
+        self.fused_rows = fused_rows
 
     # ---- products --------------------------------------------------------------------
     def _accumulate(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> None:
@@ -81,34 +84,82 @@ class Forward:
         if capture:
             self.s.cap_emb[:n].copy_(self.s.x[:n])
 
+    def fuses(self, n: int, is_decode: bool) -> Callable[[torch.Tensor, int], bool]:
+        """Which products of a forward of n rows run fused (`TritonOps.products`), as a
+        test of (weight, mode): every product of a prefill window (float32 activations, on
+        the tensor cores); in decode batches of up to `fused_rows`, the matrices the fused
+        matrix-vector kernel streams faster than cuBLAS plus the norm and SiLU kernels it
+        saves (`FusedProducts.outruns_cublas`). Everything else multiplies on cuBLAS."""
+        products = self.products
+        if products is None or (is_decode and n > self.fused_rows):
+            return lambda w, mode: False
+        if not is_decode:
+            return lambda w, mode: True
+        return products.outruns_cublas
+
     def layers(self, n: int, positions: torch.Tensor, tables: torch.Tensor, attend: Attend,
-               capture: bool) -> None:
+               capture: bool, fused: Callable[[torch.Tensor, int], bool]) -> None:
         """Every decoder layer over residual rows 0..n-1 at `positions` [n] whose pool pages
-        are tables [n, pages]."""
-        s, ops = self.s, self.ops
-        x, h, qkv, attn = s.x[:n], s.h[:n], s.qkv[:n], s.attn[:n]
-        gate_up, act = s.gate_up[:n], s.act[:n]
+        are tables [n, pages]. A fused product takes and leaves float32 activations."""
+        s, ops, products = self.s, self.ops, self.products
+        x, h = s.x[:n], s.h[:n]
         for li, lw in enumerate(self.weights.layers):
-            ops.rms_norm(x, lw.attn_norm, h)
-            if lw.qkv_bias is not None:
-                torch.addmm(lw.qkv_bias, h, lw.qkv.t(), out=qkv)
+            if fused(lw.qkv, STORE):
+                assert products is not None
+                qkv = s.qkv_f[:n]
+                products.norm_product(x, lw.attn_norm, lw.qkv, lw.qkv_bias, qkv)
             else:
-                torch.mm(h, lw.qkv.t(), out=qkv)
+                qkv = s.qkv[:n]
+                ops.rms_norm(x, lw.attn_norm, h)
+                if lw.qkv_bias is not None:
+                    torch.addmm(lw.qkv_bias, h, lw.qkv.t(), out=qkv)
+                else:
+                    torch.mm(h, lw.qkv.t(), out=qkv)
             ops.rope_store(qkv, positions, tables, s.cos, s.sin, s.k_pool[li], s.v_pool[li],
                            lw.q_norm, lw.k_norm)
+            o_fused = fused(lw.wo, ACCUMULATE)
+            attn = s.attn_f[:n] if o_fused else s.attn[:n]
             attend(li, qkv, attn)
-            self._accumulate(x, attn, lw.wo)
-            ops.rms_norm(x, lw.ffn_norm, h)
-            torch.mm(h, lw.gate_up.t(), out=gate_up)
-            ops.silu_mul(gate_up, act)
-            self._accumulate(x, act, lw.down)
-            if capture and self.hidden_layer == li + 1:
-                s.cap_state[:n].copy_(x)
-        if capture and self.hidden_layer == -1:
-            ops.rms_norm(x, self.weights.final_norm, s.cap_state[:n])
+            if o_fused:
+                assert products is not None
+                products.accumulate(attn, lw.wo, x)
+            else:
+                self._accumulate(x, attn, lw.wo)
+            down_fused = fused(lw.down, ACCUMULATE)
+            act = s.act_f[:n] if down_fused else s.act[:n]
+            if fused(lw.gate_up, SILU_GATE):
+                assert products is not None
+                products.norm_gate(x, lw.ffn_norm, lw.gate_up, act)
+            else:
+                ops.rms_norm(x, lw.ffn_norm, h)
+                torch.mm(h, lw.gate_up.t(), out=s.gate_up[:n])
+                ops.silu_mul(s.gate_up[:n], act)
+            if down_fused:
+                assert products is not None
+                products.accumulate(act, lw.down, x)
+            else:
+                self._accumulate(x, act, lw.down)
+            self._stage_state(li + 1, n, capture)
+        self._stage_state(-1, n, capture)
 
-    def head(self, first: int, n: int) -> None:
+    def _stage_state(self, layer: int, n: int, capture: bool) -> None:
+        """Stage residual rows 0..n-1 as the hidden states when `layer` is the hidden layer
+        (-1: after the final norm, once every layer ran)."""
+        if not capture or self.hidden_layer != layer:
+            return
+        x = self.s.x[:n]
+        if layer == -1:
+            self.ops.rms_norm(x, self.weights.final_norm, self.s.cap_state[:n])
+        else:
+            self.s.cap_state[:n].copy_(x)
+
+    def head(self, first: int, n: int, fused: Callable[[torch.Tensor, int], bool]) -> None:
         """Logits rows 0..n-1 from residual rows first..first+n-1."""
+        if fused(self.weights.lm_head, STORE):
+            assert self.products is not None
+            self.products.norm_product(self.s.x[first:first + n], self.weights.final_norm,
+                                       self.weights.lm_head, None, self.s.logits[:n])
+            return
         h = self.s.h[first:first + n]
         self.ops.rms_norm(self.s.x[first:first + n], self.weights.final_norm, h)
         self._to_float32(h, self.weights.lm_head, self.s.logits[:n])
@@ -121,9 +172,10 @@ class Forward:
         def attend(li: int, qkv: torch.Tensor, out: torch.Tensor) -> None:
             self.ops.decode_attention(qkv, s.k_pool[li], s.v_pool[li], positions, tables, out)
 
+        fused = self.fuses(batch, is_decode=True)
         self.embed(ids, batch, capture)
-        self.layers(batch, positions, tables, attend, capture)
-        self.head(0, batch)
+        self.layers(batch, positions, tables, attend, capture, fused)
+        self.head(0, batch, fused)
         torch.argmax(s.logits[:batch], dim=-1, out=s.next_ids[:batch])
 
     def prefill_chunk(self, n: int, start: int, capture: bool) -> None:
@@ -138,4 +190,4 @@ class Forward:
                               start + n, s.prefill_table[0], self.page_size, out)
 
         self.embed(s.prefill_ids[:n], n, capture)
-        self.layers(n, positions, table, attend, capture)
+        self.layers(n, positions, table, attend, capture, self.fuses(n, is_decode=False))

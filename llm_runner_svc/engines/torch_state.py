@@ -24,6 +24,9 @@ class RunState:
     attn: torch.Tensor  # [rows, q_dim]
     gate_up: torch.Tensor  # [rows, 2 ffn]
     act: torch.Tensor  # [rows, ffn]
+    qkv_f: torch.Tensor  # [rows, q_dim + 2 kv_dim] float32 | the fused products' float32
+    attn_f: torch.Tensor  # [rows, q_dim] float32        | activations (0 rows when the
+    act_f: torch.Tensor  # [rows, ffn] float32           | forward has no fused products)
     k_pool: torch.Tensor  # [layers, (pages + 1) * page_size, kv_dim]
     v_pool: torch.Tensor  # [layers, (pages + 1) * page_size, kv_dim]
     logits: torch.Tensor  # [max_batch, vocab] float32
@@ -52,13 +55,14 @@ def decode_views(state: RunState, batch: int) -> tuple[torch.Tensor, ...]:
 
 
 def allocate_state(config: ModelConfig, plan: EnginePlan, max_batch: int, device: torch.device,
-                   dtype: torch.dtype, has_wide_scratch: bool) -> RunState:
+                   dtype: torch.dtype, has_wide_scratch: bool, has_fused: bool) -> RunState:
     c = config
     rows = max(max_batch, plan.prefill_chunk)
     pages_per_seq = -(-plan.max_seq // plan.page_size)
     pool_rows = (plan.num_pages + 1) * plan.page_size
     cos, sin = rope_tables(plan.max_seq, c.head_dim, c.rope_theta, device)
     cap_rows = rows if plan.hidden_layer is not None else 0
+    f_rows = rows if has_fused else 0
 
     def act(*shape: int) -> torch.Tensor:
         return torch.zeros(shape, device=device, dtype=dtype)
@@ -74,6 +78,8 @@ def allocate_state(config: ModelConfig, plan: EnginePlan, max_batch: int, device
         x=f32(rows, c.hidden_size), h=act(rows, c.hidden_size),
         qkv=act(rows, c.q_dim + 2 * c.kv_dim), attn=act(rows, c.q_dim),
         gate_up=act(rows, 2 * c.intermediate_size), act=act(rows, c.intermediate_size),
+        qkv_f=f32(f_rows, c.q_dim + 2 * c.kv_dim), attn_f=f32(f_rows, c.q_dim),
+        act_f=f32(f_rows, c.intermediate_size),
         k_pool=act(c.num_layers, pool_rows, c.kv_dim), v_pool=act(c.num_layers, pool_rows,
                                                                   c.kv_dim),
         logits=f32(max_batch, c.vocab_size),

@@ -19,6 +19,7 @@ from llm_runner_svc.engines.torch_triton_kernels import (
     rope_store_kernel,
     silu_mul_kernel,
 )
+from llm_runner_svc.engines.torch_triton_products import FusedProducts
 from llm_runner_svc.models.spec import ModelConfig, RopeStyle
 
 BLOCK_N = 32  # positions per attention tile
@@ -30,9 +31,13 @@ def _pow2(n: int, least: int = 1) -> int:
 
 
 class TritonOps(TorchOps):
-    def __init__(self, config: ModelConfig, page_size: int, num_sms: int) -> None:
+    def __init__(self, config: ModelConfig, page_size: int, num_sms: int,
+                 has_fused_products: bool) -> None:
+        """`has_fused_products`: the weights are bf16 and the forward may use
+        `products` (see torch_triton_products.py)."""
         super().__init__(config, page_size)
         self.num_sms = num_sms
+        self.products = FusedProducts(config.rms_eps) if has_fused_products else None
         self._part: torch.Tensor | None = None  # [rows, heads, splits, hd_p] float32
         self._lse: torch.Tensor | None = None  # [rows, heads, splits] float32
         self._max_splits = 1
@@ -98,7 +103,8 @@ class TritonOps(TorchOps):
             out.stride(0), self._part, self._lse, 1.0 / math.sqrt(c.head_dim),
             NUM_KV=c.num_kv_heads, GROUP=group, HD=c.head_dim, HD_P=self._hd_p,
             PAGE=self.page_size, SPLIT=split, NUM_SPLITS=self._max_splits,
-            BLOCK_H=_pow2(group, 16), BLOCK_N=BLOCK_N, IS_FP32=qkv.dtype == torch.float32,
+            BLOCK_H=_pow2(group, 16), BLOCK_N=BLOCK_N, Q_FP32=qkv.dtype == torch.float32,
+            KV_FP32=k_pool.dtype == torch.float32,
             num_warps=4)
         if num_splits > 1:
             combine_kernel[(b, c.num_heads)](

@@ -84,8 +84,8 @@ def rope_store_kernel(qkv_ptr, qkv_stride, pos_ptr, tables_ptr, table_stride, co
         v_src = qkv_ptr + row * qkv_stride + (NUM_HEADS + NUM_KV + kvh) * HD
         v_a = tl.load(v_src + ia, mask=mask, other=0.0)
         v_b = tl.load(v_src + ib, mask=mask, other=0.0)
-        tl.store(v_pool_ptr + dst + ia, v_a, mask=mask)
-        tl.store(v_pool_ptr + dst + ib, v_b, mask=mask)
+        tl.store(v_pool_ptr + dst + ia, v_a.to(v_pool_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_pool_ptr + dst + ib, v_b.to(v_pool_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -94,12 +94,15 @@ def decode_attention_kernel(qkv_ptr, qkv_stride, k_pool_ptr, v_pool_ptr, pos_ptr
                             NUM_KV: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
                             HD_P: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr):
+                            BLOCK_N: tl.constexpr, Q_FP32: tl.constexpr,
+                            KV_FP32: tl.constexpr):
     """Grid (rows, kv_heads, splits). Program (r, h, s) attends the GROUP query heads of kv
     head h over positions [s * SPLIT, (s + 1) * SPLIT) of row r, stopping at the row's own
     position: nothing past it is read. A row whose positions fit one split writes its output
     here; otherwise each split leaves its normalized partial and log-sum-exp for
-    `combine_kernel`."""
+    `combine_kernel`. A float32 pool (the float32 engine) multiplies in float32; over a bf16
+    pool a float32 q (the fused products' activations) goes in as a bf16 pair (high part and
+    remainder), so the scores keep about 16 of its mantissa bits."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -114,6 +117,9 @@ def decode_attention_kernel(qkv_ptr, qkv_stride, k_pool_ptr, v_pool_ptr, pos_ptr
         q_off = (kvh * GROUP + heads)[:, None] * HD + d[None, :]
         q = tl.load(qkv_ptr + row * qkv_stride + q_off, mask=hmask[:, None] & dmask[None, :],
                     other=0.0)  # [BLOCK_H, HD_P]
+        if not KV_FP32:
+            q_hi = q.to(k_pool_ptr.dtype.element_ty)
+            q_lo = (q.to(tl.float32) - q_hi.to(tl.float32)).to(k_pool_ptr.dtype.element_ty)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HD_P], tl.float32)
@@ -126,16 +132,18 @@ def decode_attention_kernel(qkv_ptr, qkv_stride, k_pool_ptr, v_pool_ptr, pos_ptr
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(k_pool_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, HD_P]
             v = tl.load(v_pool_ptr + kv_off, mask=kv_mask, other=0.0)
-            if IS_FP32:
+            if KV_FP32:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:  # q and k are bf16 already: the products are exact, summed in float32
-                s = tl.dot(q, tl.trans(k))
+            else:  # bf16 products are exact, summed in float32
+                s = tl.dot(q_hi, tl.trans(k))
+                if Q_FP32:
+                    s += tl.dot(q_lo, tl.trans(k))
             s = tl.where(nmask[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IS_FP32:
+            if KV_FP32:
                 pv = tl.dot(p, v, input_precision="ieee")
             else:  # p as a bf16 pair (high + low part): about 16 mantissa bits survive
                 p_hi = p.to(v.dtype)
