@@ -205,6 +205,7 @@ class LlmStage:
         cohort.is_closed = True
         self.loop.cohorts.discard(cohort)
         if not is_broken:
+            self.loop.wake()  # a closed cohort no longer holds decoding
             return
         for slot in cohort.joined.values():
             if slot.state is not SlotState.RUNNING or self.slots.get(slot.slot_id) is not slot:

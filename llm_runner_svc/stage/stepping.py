@@ -1,14 +1,18 @@
 """Cohorts (the members of one Step stream) and the stage's own decode loop.
 
-The loop runs `runtime.step()` on one worker thread whenever the runtime has work and every
-cohort with live members has a credit, then turns the runtime's per-request events into one
-`CohortEvent` per cohort. A cohort that is out of credit holds the loop: the slow reader slows
-decoding instead of growing a queue. Cancels still land while the loop is held (they produce
-only terminal updates, at most one per member). Everything here runs on the event loop thread
-except `runtime.step`. When every cohort will still hold a credit after the step that just
-ended is delivered, the next step starts on the worker thread before that delivery (and the
-hidden-port publishing) runs on the event loop, so an accelerator is not left idle while
-Python turns a step into messages; otherwise the loop waits for the reader, as above.
+A decode thread (`decode_thread.py`) runs `runtime.step()` on its own, one step after another,
+while the runtime has work, fewer than MAX_IN_FLIGHT of its results wait to be delivered and
+published, and every cohort with live members holds more credits than the results not yet
+delivered. It hands each result to the event loop without waiting; there, in step order, the
+runtime's per-request events become one `CohortEvent` per cohort, then the step is published
+to the hidden port, then the thread may start more. So an accelerator is not left idle while
+Python turns a step into messages. A cohort that is out of credit holds decoding: the slow
+reader slows decoding instead of growing a queue; a blocking hidden-port subscriber holds it
+too (through MAX_IN_FLIGHT). Cancels still land while readers hold decoding: the thread then
+runs `runtime.apply_cancels()` (only terminal updates, at most one per member). Everything
+here runs on the event loop thread, which recomputes the thread's permission on every
+delivered result, grant, join, refused join, closed cohort and `wake()`; the decode thread only
+posts its results (`call_soon_threadsafe`).
 """
 
 from __future__ import annotations
@@ -17,16 +21,19 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from llm_runner_svc.errors import Internal, ResourceExhausted, RunnerError
 from llm_runner_svc.runtime import FinishReason, InferenceRuntime, StepEvent
+from llm_runner_svc.stage.decode_thread import DecodeThread, Result
 from llm_runner_svc.stage.slots import Slot
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING_REFUSALS = 1024
+# Results of the decode thread not yet delivered and published: with two, a cancel lands
+# within two steps of the last one delivered and a blocking subscriber still holds decoding.
+MAX_IN_FLIGHT = 2
 
 
 @dataclass
@@ -71,10 +78,6 @@ class Cohort:
         self._error: RunnerError | None = None
         self._last_step = 0
 
-    @property
-    def is_blocked(self) -> bool:
-        return bool(self.members) and self.credits == 0 and not self.is_closed
-
     def grant(self, credits: int) -> None:
         if self.credits + credits > self.max_window:
             raise ResourceExhausted(
@@ -96,6 +99,7 @@ class Cohort:
                 f"more than {MAX_PENDING_REFUSALS} refused joins wait for a credit"))
         elif self.credits:
             self.deliver(CohortEvent(self._last_step))
+            self._wake()  # the refusal spent a credit
 
     def deliver(self, event: CohortEvent) -> None:
         """Queue an event; it spends a credit. An event may overdraw an empty window (a member
@@ -133,7 +137,7 @@ class Cohort:
 
 
 class StepLoop:
-    """Drives `runtime.step()` for every cohort of the stage."""
+    """Drives the decode thread for every cohort of the stage and delivers what it steps."""
 
     def __init__(self, runtime: InferenceRuntime, resolve: Callable[[str], Slot | None],
                  on_orphan_end: Callable[[Slot], None],
@@ -144,52 +148,67 @@ class StepLoop:
         self._resolve = resolve
         self._on_orphan_end = on_orphan_end
         self._publish = publish  # hidden states; may hold the loop (a blocking subscriber)
-        self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="decode")
+        self._thread: DecodeThread | None = None
         self._task: asyncio.Task[None] | None = None
+        self._dispatched = 0  # results of the decode thread routed to their cohorts
+        self._handled = 0  # ... and published
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._drive(), name="step-loop")
+        loop = asyncio.get_running_loop()
+        results: asyncio.Queue[Result] = asyncio.Queue()
+        self._dispatched = self._handled = 0
+        self._thread = DecodeThread(
+            self.runtime, lambda result: loop.call_soon_threadsafe(results.put_nowait, result))
+        self._permit()
+        self._thread.start()
+        self._task = loop.create_task(self._deliver(results), name="step-loop")
 
     async def close(self) -> None:
+        """Stop the decode thread (a step in progress ends first), then the delivery."""
+        if self._thread is not None:
+            self._thread.stop()
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
 
     def wake(self) -> None:
-        self._wake.set()
+        """Work, credits or members changed (event loop thread): recompute the permission;
+        after a failed step, let the decode thread try again."""
+        self._permit(resume=True)
 
-    async def _drive(self) -> None:
-        loop = asyncio.get_running_loop()
-        ahead: asyncio.Future[list[StepEvent]] | None = None  # a step started early
+    def _permit(self, resume: bool = False) -> None:
+        """At most MAX_IN_FLIGHT results not yet handled; a step only while every cohort with
+        live members holds more credits than the results not yet dispatched."""
+        if self._thread is None:
+            return
+        job_limit = self._handled + MAX_IN_FLIGHT
+        credits = [c.credits for c in self.cohorts if c.members and not c.is_closed]
+        step_limit = min(job_limit, self._dispatched + min(credits)) if credits else job_limit
+        self._thread.permit(step_limit, job_limit, resume)
+
+    async def _deliver(self, results: asyncio.Queue[Result]) -> None:
+        """The decode thread's results in order: dispatch, then publish, then permit more."""
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while ahead is not None or self.runtime.has_work:
-                if ahead is None and any(c.is_blocked for c in self.cohorts):
-                    if not self.runtime.has_cancels:
-                        break  # a grant, join or cancel wakes us
-                    await self._publish(self._dispatch(self.runtime.apply_cancels()))
-                    continue
-                step = ahead or loop.run_in_executor(self._executor, self.runtime.step)
-                ahead = None
-                try:
-                    events = await step
-                except Exception as exc:
-                    log.exception("decode step failed outside any request")
-                    for cohort in list(self.cohorts):
-                        cohort.fail(Internal(f"decode loop failed: {exc}"))
-                    break
-                if self.runtime.has_work and self._can_step_ahead():
-                    ahead = loop.run_in_executor(self._executor, self.runtime.step)
-                await self._publish(self._dispatch(events))
-
-    def _can_step_ahead(self) -> bool:
-        """Every cohort with members keeps a credit after this step's event is delivered."""
-        return all(c.credits >= 2 or not c.members or c.is_closed for c in self.cohorts)
+            result = await results.get()
+            pairs: list[tuple[Slot, StepEvent]] | None = None
+            if isinstance(result, Exception):
+                for cohort in list(self.cohorts):
+                    cohort.fail(Internal(f"decode loop failed: {result}"))
+            else:
+                pairs = self._dispatch(result)
+            self._dispatched += 1
+            self._permit()
+            try:
+                if pairs is not None:
+                    await self._publish(pairs)
+            except Exception:
+                log.exception("publishing a step failed")
+            self._handled += 1
+            self._permit()
 
     def _dispatch(self, events: list[StepEvent]) -> list[tuple[Slot, StepEvent]]:
         """Route the runtime's events to their slots and cohorts; return (slot, event)."""

@@ -1,0 +1,135 @@
+"""How much of the in-process decode rate the Step stream delivers, on CPU, with a step that
+leaves the interpreter free the way a GPU step does.
+
+The engine is the numpy engine on the embedded stories260K model, and each `decode()` also
+sleeps S ms (`time.sleep` releases the GIL, as a thread waiting on an accelerator does):
+  - at the start of `decode()`, before its math: like the torch engine on CUDA, where the step
+    launches its graph and then waits, and the host work (token acceptance, text, events)
+    follows the wait;
+  - at its end, after the math: the host work comes before the wait, where it competes for
+    the GIL with the event loop delivering the previous step.
+For each placement, S and batch size, the median time of one decode step measured two ways:
+  - in-process: `InferenceRuntime.step()` in a loop (`gpu_paths.in_process`);
+  - gRPC: the runner's Stage service on a loopback port in this process, one Step stream with
+    every member, read by `gpu_paths.grpc_direct` in a child process: the median gap between
+    the stream's events.
+in-process / gRPC is the share of the in-process token rate a Step-stream reader gets. Each
+figure is the median of --rounds rounds. Prints one table.
+
+Usage: python benchmarks/bench_step_stream.py [--sleeps 0.5,1.0,1.6] [--batches 1,8]
+       [--sleep-at start,end] [--steps 200] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_paths  # noqa: E402
+
+from llm_runner_svc.engines.base import DecodeRow, HiddenStates  # noqa: E402
+from llm_runner_svc.engines.numpy_engine import NumpyEngine  # noqa: E402
+from llm_runner_svc.models import Model, load_model  # noqa: E402
+from llm_runner_svc.runtime import InferenceRuntime, RuntimeConfig  # noqa: E402
+from llm_runner_svc.server import stop_stage_server  # noqa: E402
+from llm_runner_svc.servicer import SERVICE_NAME, StageServicer  # noqa: E402
+from llm_runner_svc.stage import LlmStage, StageConfig  # noqa: E402
+from services.contract.llmstage.v1 import stage_pb2_grpc  # noqa: E402
+from services.server import ServerOptions, create_server  # noqa: E402
+
+PROMPT = [1, 403, 407, 261, 378, 365, 280, 314]  # a short story opening, as token ids
+
+
+class SleepyEngine(NumpyEngine):
+    """The numpy engine whose decode step also waits `sleep_s` with the GIL released, before
+    its math (`sleep_first`) or after it."""
+
+    def __init__(self, model: Model, sleep_s: float, sleep_first: bool) -> None:
+        super().__init__(model.config, model.weights)
+        self.sleep_s = sleep_s
+        self.sleep_first = sleep_first
+
+    def decode(self, rows: Sequence[DecodeRow]) -> list[HiddenStates | None]:
+        if self.sleep_first:
+            time.sleep(self.sleep_s)
+        hidden = super().decode(rows)
+        if not self.sleep_first:
+            time.sleep(self.sleep_s)
+        return hidden
+
+
+@dataclass(frozen=True)
+class Case:
+    sleep_ms: float
+    batch: int
+    steps: int
+    sleep_first: bool
+
+    def runtime(self, model: Model) -> InferenceRuntime:
+        config = RuntimeConfig(max_batch=self.batch, max_seq=len(PROMPT) + self.steps + 8)
+        engine = SleepyEngine(model, self.sleep_ms / 1000, self.sleep_first)
+        rt = InferenceRuntime(engine, model.tokenizer, config)
+        rt.preallocate()
+        return rt
+
+
+async def served(rt: InferenceRuntime, model: Model, prompts: list[list[int]],
+                 steps: int) -> float:
+    """Median Step-stream event gap (seconds) seen by a client in a child process."""
+    config = StageConfig(max_batch=rt.config.max_batch, max_seq=rt.max_seq)
+    stage = LlmStage(config, model, rt)
+    await stage.start()
+    handle = await create_server(ServerOptions(port=0), [(
+        stage_pb2_grpc.add_StageServicer_to_server, StageServicer(stage), SERVICE_NAME)])
+    try:
+        return await gpu_paths.client_process("grpc_direct", f"127.0.0.1:{handle.port}",
+                                              prompts, steps)
+    finally:
+        await stop_stage_server(handle, stage)
+
+
+def measure(model: Model, case: Case) -> tuple[float, float]:
+    """(in-process, gRPC) seconds per step, one round."""
+    prompts = [PROMPT] * case.batch
+    rt = case.runtime(model)
+    local = gpu_paths.in_process(rt, prompts, case.steps)
+    rt.close()
+    remote = asyncio.run(served(case.runtime(model), model, prompts, case.steps))
+    return local, remote
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sleeps", default="0.5,1.0,1.6")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sleep-at", default="start,end")
+    args = ap.parse_args()
+    model = load_model()
+    print(f"# {platform.processor() or platform.machine()}, Python {platform.python_version()},"
+          f" stories260K numpy + sleep, {args.steps} steps, median of {args.rounds} rounds",
+          flush=True)
+    print("| sleep at | sleep ms | batch | in-process ms | gRPC ms | in-process/gRPC |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for at in args.sleep_at.split(","):
+        for sleep_ms in (float(s) for s in args.sleeps.split(",")):
+            for batch in (int(b) for b in args.batches.split(",")):
+                case = Case(sleep_ms, batch, args.steps, at == "start")
+                rounds = [measure(model, case) for _ in range(args.rounds)]
+                local = statistics.median(r[0] for r in rounds)
+                remote = statistics.median(r[1] for r in rounds)
+                print(f"| {at} | {sleep_ms:.1f} | {batch} | {1000 * local:.3f} | "
+                      f"{1000 * remote:.3f} | {local / remote:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
