@@ -30,7 +30,9 @@ from llm_runner_svc.engines.torch_triton_products import (
 from llm_runner_svc.engines.torch_weights import named_shape, random_weights
 
 CANDIDATES = [(4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8),
-              (32, 256, 8), (32, 128, 4), (4, 512, 4), (8, 256, 4)]  # (BN, BK, warps)
+              (32, 256, 8), (32, 128, 4), (4, 512, 4), (8, 256, 4), (2, 1024, 4),
+              (2, 512, 4), (4, 512, 2), (4, 1024, 2), (4, 256, 4), (4, 2048, 8),
+              (2, 2048, 4)]  # (BN, BK, warps)
 
 
 def in_graph_us(fn, reps: int = 50) -> float:
@@ -141,13 +143,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b")
     ap.add_argument("--rows", default="1")
+    ap.add_argument("--steps-only", action="store_true", help="skip part 1")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     report: dict = {"gpu": torch.cuda.get_device_name(), "matrices": [], "steps": []}
     print("| shape | matrix | MB | rows | cuBLAS us | fused us | GB/s | best us | best tiles |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
-    for name in args.shapes.split(","):
+    for name in ([] if args.steps_only else args.shapes.split(",")):
         for label, n, k, mode, normed in matrices(name):
             for m in rows_list:
                 r = bench_matrix(n, k, mode, normed, m)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from llm_runner_svc.engines.torch_ops import TorchOps, prefill_attention
+from llm_runner_svc.engines.torch_ops import Rope, TorchOps, prefill_attention
 from llm_runner_svc.engines.torch_state import RunState
 from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE
 from llm_runner_svc.engines.torch_weights import TorchWeights
@@ -79,10 +79,8 @@ class Forward:
     # ---- the forward -----------------------------------------------------------------
     def embed(self, ids: torch.Tensor, n: int, capture: bool) -> None:
         """Residual rows 0..n-1 = embedding rows of ids [n]."""
-        torch.index_select(self.weights.embedding, 0, ids, out=self.s.h[:n])
-        self.s.x[:n].copy_(self.s.h[:n])
-        if capture:
-            self.s.cap_emb[:n].copy_(self.s.x[:n])
+        self.ops.embed(self.weights.embedding, ids, self.s.x[:n],
+                       self.s.cap_emb[:n] if capture else None)
 
     def fuses(self, n: int, is_decode: bool) -> Callable[[torch.Tensor, int], bool]:
         """Which products of a forward of n rows run fused (`TritonOps.products`), as a
@@ -98,9 +96,11 @@ class Forward:
         return products.outruns_cublas
 
     def layers(self, n: int, positions: torch.Tensor, tables: torch.Tensor, attend: Attend,
-               capture: bool, fused: Callable[[torch.Tensor, int], bool]) -> None:
+               capture: bool, fused: Callable[[torch.Tensor, int], bool],
+               store_rope: bool = True) -> None:
         """Every decoder layer over residual rows 0..n-1 at `positions` [n] whose pool pages
-        are tables [n, pages]. A fused product takes and leaves float32 activations."""
+        are tables [n, pages]. A fused product takes and leaves float32 activations.
+        `store_rope` False: `attend` rotates q and k and stores k and v itself."""
         s, ops, products = self.s, self.ops, self.products
         x, h = s.x[:n], s.h[:n]
         for li, lw in enumerate(self.weights.layers):
@@ -115,8 +115,9 @@ class Forward:
                     torch.addmm(lw.qkv_bias, h, lw.qkv.t(), out=qkv)
                 else:
                     torch.mm(h, lw.qkv.t(), out=qkv)
-            ops.rope_store(qkv, positions, tables, s.cos, s.sin, s.k_pool[li], s.v_pool[li],
-                           lw.q_norm, lw.k_norm)
+            if store_rope:
+                ops.rope_store(qkv, positions, tables, s.cos, s.sin, s.k_pool[li],
+                               s.v_pool[li], lw.q_norm, lw.k_norm)
             o_fused = fused(lw.wo, ACCUMULATE)
             attn = s.attn_f[:n] if o_fused else s.attn[:n]
             attend(li, qkv, attn)
@@ -170,13 +171,16 @@ class Forward:
         s = self.s
 
         def attend(li: int, qkv: torch.Tensor, out: torch.Tensor) -> None:
-            self.ops.decode_attention(qkv, s.k_pool[li], s.v_pool[li], positions, tables, out)
+            lw = self.weights.layers[li]
+            self.ops.decode_attention(qkv, s.k_pool[li], s.v_pool[li], positions, tables, out,
+                                      Rope(s.cos, s.sin, lw.q_norm, lw.k_norm))
 
         fused = self.fuses(batch, is_decode=True)
         self.embed(ids, batch, capture)
-        self.layers(batch, positions, tables, attend, capture, fused)
+        self.layers(batch, positions, tables, attend, capture, fused,
+                    store_rope=not self.ops.ropes_in_decode_attention)
         self.head(0, batch, fused)
-        torch.argmax(s.logits[:batch], dim=-1, out=s.next_ids[:batch])
+        self.ops.argmax(s.logits[:batch], s.next_ids[:batch])
 
     def prefill_chunk(self, n: int, start: int, capture: bool) -> None:
         """Positions start..start+n-1 of the request whose ids and page table are staged in

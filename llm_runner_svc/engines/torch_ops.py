@@ -8,6 +8,7 @@ Every step computes in float32 and rounds once into its output buffer.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,16 @@ def pool_slots(positions: torch.Tensor, tables: torch.Tensor, page_size: int) ->
     return pages.to(torch.int64) * page_size + positions % page_size
 
 
+@dataclass(frozen=True)
+class Rope:
+    """What rotating one layer's new q and k takes: the tables and the q/k norm weights."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
 class TorchOps:
     """Reference implementations; see the module docstring."""
 
@@ -43,6 +54,20 @@ class TorchOps:
         xf = x.float()
         inv = torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.config.rms_eps)
         out.copy_(xf * inv * weight)
+
+    def embed(self, table: torch.Tensor, ids: torch.Tensor, x: torch.Tensor,
+              cap: torch.Tensor | None) -> None:
+        """x [n, hidden] float32 = table rows of ids [n]; the same into cap when given."""
+        if table.dtype == x.dtype:
+            torch.index_select(table, 0, ids, out=x)
+        else:  # the bf16 reference ops: a temporary, off the CUDA-graph path
+            x.copy_(table.index_select(0, ids))
+        if cap is not None:
+            cap.copy_(x)
+
+    def argmax(self, logits: torch.Tensor, out: torch.Tensor) -> None:
+        """out [n] = the first index of each row's largest logit."""
+        torch.argmax(logits, dim=-1, out=out)
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
         """out = silu(gate) * up; gate_up [n, 2 ffn] holds gate then up."""
@@ -79,11 +104,15 @@ class TorchOps:
         k_pool.index_copy_(0, slots, qkv[:, c.q_dim:c.q_dim + c.kv_dim])
         v_pool.index_copy_(0, slots, qkv[:, c.q_dim + c.kv_dim:])
 
+    ropes_in_decode_attention = False  # rope_store runs before decode_attention
+
     def decode_attention(self, qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                         positions: torch.Tensor, tables: torch.Tensor,
-                         out: torch.Tensor) -> None:
+                         positions: torch.Tensor, tables: torch.Tensor, out: torch.Tensor,
+                         rope: Rope) -> None:
         """One query per row over that row's positions 0..pos, read page by page.
-        qkv [b, q + 2 kv], positions [b], tables [b, pages], out [b, q_dim]."""
+        qkv [b, q + 2 kv], positions [b], tables [b, pages], out [b, q_dim]. `rope` serves
+        implementations that rotate and store the new k and v themselves
+        (`ropes_in_decode_attention`); here `rope_store` has done both."""
         c, ps = self.config, self.page_size
         b = qkv.shape[0]
         num_pages = int(positions.max()) // ps + 1

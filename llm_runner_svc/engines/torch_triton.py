@@ -11,10 +11,11 @@ import math
 
 import torch
 
-from llm_runner_svc.engines.torch_ops import TorchOps
+from llm_runner_svc.engines.torch_ops import Rope, TorchOps
 from llm_runner_svc.engines.torch_triton_kernels import (
-    combine_kernel,
+    argmax_kernel,
     decode_attention_kernel,
+    embed_kernel,
     rms_norm_kernel,
     rope_store_kernel,
     silu_mul_kernel,
@@ -24,6 +25,8 @@ from llm_runner_svc.models.spec import ModelConfig, RopeStyle
 
 BLOCK_N = 32  # positions per attention tile
 SILU_BLOCK = 1024
+ARGMAX_BLOCK = 2048  # logits per argmax program
+EMBED_BLOCK = 1024
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -40,6 +43,8 @@ class TritonOps(TorchOps):
         self.products = FusedProducts(config.rms_eps) if has_fused_products else None
         self._part: torch.Tensor | None = None  # [rows, heads, splits, hd_p] float32
         self._lse: torch.Tensor | None = None  # [rows, heads, splits] float32
+        self._counts: torch.Tensor | None = None  # [rows, kv_heads] int32 splits finished
+        self._best: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # argmax
         self._max_splits = 1
         self._hd_p = _pow2(config.head_dim, 16)
 
@@ -59,7 +64,13 @@ class TritonOps(TorchOps):
         self._max_splits = splits
         self._part = torch.empty((max_rows, c.num_heads, splits, self._hd_p), device=device)
         self._lse = torch.empty((max_rows, c.num_heads, splits), device=device)
-        return self._part.nbytes + self._lse.nbytes
+        self._counts = torch.zeros((max_rows, c.num_kv_heads), dtype=torch.int32,
+                                   device=device)
+        chunks = -(-c.vocab_size // ARGMAX_BLOCK)
+        self._best = (torch.empty((max_rows, chunks), device=device),
+                      torch.empty((max_rows, chunks), dtype=torch.int32, device=device),
+                      torch.zeros(max_rows, dtype=torch.int32, device=device))
+        return sum(t.nbytes for t in (self._part, self._lse, self._counts, *self._best))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
         n, d = x.shape
@@ -89,26 +100,43 @@ class TritonOps(TorchOps):
             INTERLEAVED=c.rope_style is RopeStyle.INTERLEAVED, HAS_QK_NORM=has_norm,
             num_warps=1)
 
+    ropes_in_decode_attention = True
+
     def decode_attention(self, qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                         positions: torch.Tensor, tables: torch.Tensor,
-                         out: torch.Tensor) -> None:
+                         positions: torch.Tensor, tables: torch.Tensor, out: torch.Tensor,
+                         rope: Rope) -> None:
         assert self._part is not None and self._lse is not None, "reserve() first"
+        assert self._counts is not None
         c = self.config
         b = qkv.shape[0]
         split = self.split_size(b, self._max_seq)
         num_splits = -(-self._max_seq // split)
         group = c.num_heads // c.num_kv_heads
+        has_norm = rope.q_norm is not None and rope.k_norm is not None
         decode_attention_kernel[(b, c.num_kv_heads, num_splits)](
             qkv, qkv.stride(0), k_pool, v_pool, positions, tables, tables.stride(0), out,
-            out.stride(0), self._part, self._lse, 1.0 / math.sqrt(c.head_dim),
+            out.stride(0), self._part, self._lse, self._counts, 1.0 / math.sqrt(c.head_dim),
+            rope.cos,
+            rope.sin, rope.q_norm if has_norm else rope.cos,
+            rope.k_norm if has_norm else rope.cos, c.rms_eps, NUM_HEADS=c.num_heads,
             NUM_KV=c.num_kv_heads, GROUP=group, HD=c.head_dim, HD_P=self._hd_p,
-            PAGE=self.page_size, SPLIT=split, NUM_SPLITS=self._max_splits,
-            BLOCK_H=_pow2(group, 16), BLOCK_N=BLOCK_N, Q_FP32=qkv.dtype == torch.float32,
+            HALF=c.head_dim // 2, PAGE=self.page_size, SPLIT=split,
+            NUM_SPLITS=self._max_splits, BLOCK_H=_pow2(group, 16), BLOCK_N=BLOCK_N,
             KV_FP32=k_pool.dtype == torch.float32,
+            INTERLEAVED=c.rope_style is RopeStyle.INTERLEAVED, HAS_QK_NORM=has_norm,
             num_warps=4)
-        if num_splits > 1:
-            combine_kernel[(b, c.num_heads)](
-                positions, self._part, self._lse, out, out.stride(0), NUM_HEADS=c.num_heads,
-                HD=c.head_dim, HD_P=self._hd_p, SPLIT=split, NUM_SPLITS=self._max_splits,
-                num_warps=1)
 
+    def argmax(self, logits: torch.Tensor, out: torch.Tensor) -> None:
+        assert self._best is not None, "reserve() first"
+        n, vocab = logits.shape
+        chunks = -(-vocab // ARGMAX_BLOCK)
+        argmax_kernel[(n, chunks)](logits, logits.stride(0), vocab, *self._best, out,
+                                   NUM_CHUNKS=chunks, CHUNKS_P=_pow2(chunks),
+                                   BLOCK=ARGMAX_BLOCK, num_warps=4)
+
+    def embed(self, table: torch.Tensor, ids: torch.Tensor, x: torch.Tensor,
+              cap: torch.Tensor | None) -> None:
+        n, hidden = x.shape
+        embed_kernel[(n, -(-hidden // EMBED_BLOCK))](
+            ids, table, x, cap if cap is not None else x, hidden, BLOCK=EMBED_BLOCK,
+            CAPTURE=cap is not None, num_warps=4)

@@ -11,7 +11,7 @@ BF16_HIDDEN_* below) to the reference: the fused products keep the activations i
 so what separates the two is where the bf16 KV pool rounds differently. The figures, and how
 far bf16 weights move the states from the float32 checkpoint, are printed. Decode batches
 above `fused_rows` (and the largest matrices) multiply on cuBLAS in bf16, which
-`test_cublas_batches_match_torch_ops` checks against the plain ops.
+`test_cublas_products_against_the_same_weights` checks to that rounding.
 The decode step must not move torch.cuda.memory_allocated() (nor its peak) across 1,000
 steps. These tests need a GPU; CI has none, and benchmarks/gpu_run.sh runs them on one.
 """
@@ -41,6 +41,9 @@ BF16_MARGIN = 0.05  # logits: a lead no KV rounding can overturn
 # worst 1.4e-5 to 2.0e-3, medians 3e-6 to 7.8e-4).
 BF16_HIDDEN_MEDIAN = 1e-3
 BF16_HIDDEN_WORST = 5e-3
+# With bf16 activations into every product (cuBLAS), a dozen bf16 roundings (2^-8 each) at
+# the worst position: 2.8e-2 to 3.5e-2 from float32 measured on the H200 (2026-12-03).
+BF16_CUBLAS_REL = 5e-2
 
 
 def bf16_weights(model):
@@ -191,11 +194,22 @@ def test_fused_batches_match_solo_runs(stories):
     assert batched == _batch_tokens(stories, "torch", solo=True, device="cuda", fused_rows=4)
 
 
-def test_cublas_batches_match_torch_ops(stories):
-    """Decode batches beyond `fused_rows` (here all of them) multiply on cuBLAS in bf16: the
-    Triton kernels around them in CUDA graphs give the plain torch ops' tokens."""
-    assert _batch_tokens(stories, "torch", device="cuda", fused_rows=0) == _batch_tokens(
-        stories, "torch", device="cuda", kernels="torch")
+def test_cublas_products_against_the_same_weights(stories):
+    """Decode batches above `fused_rows` (here every one) multiply on cuBLAS, the
+    activations rounded to bf16: teacher-forced against the numpy engine on the same weights,
+    the argmax agrees wherever the lead is clear of that rounding and states stay within
+    BF16_CUBLAS_REL."""
+    same = bf16_weights(stories)
+    follow, _, _ = _run(same, [1], 120, engine="numpy", max_batch=1, max_seq=256)
+    ref_logits, ref_h = _teacher_forced(same, "numpy", [1], follow, kv_dtype="bfloat16")
+    logits, h = _teacher_forced(stories, "torch", [1], follow, device="cuda", fused_rows=0)
+    top2 = np.sort(ref_logits, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 0.5
+    rel = np.linalg.norm(h - ref_h, axis=1) / np.linalg.norm(ref_h, axis=1)
+    print(f"cuBLAS products: clear leads {clear.sum()}/{len(clear)}; states rel max "
+          f"{rel.max():.1e} median {np.median(rel):.1e}")
+    assert (logits.argmax(1) == ref_logits.argmax(1))[clear].all()
+    assert rel.max() < BF16_CUBLAS_REL
 
 
 def test_decode_steps_do_not_allocate(stories):
