@@ -60,6 +60,9 @@ class DecodeRow:
     capture_hidden: bool = False
 
 
+CHAINED = -1  # a DecodeRow token: the one the engine's previous decode picked for this row
+
+
 @dataclass(frozen=True)
 class HiddenStates:
     """Captured states for a window of positions; arrays are the engine's host tensors."""
@@ -74,6 +77,10 @@ class Engine(ABC):
 
     name: str
     config: ModelConfig
+    # Whether decode() takes rows whose token is CHAINED: the pick of the engine's previous
+    # decode for the row at the same index (the same rows in the same order), read where the
+    # engine keeps it, so the next step can start before the host has read the picks.
+    supports_chaining = False
 
     @abstractmethod
     def preallocate(self, plan: EnginePlan) -> None:
@@ -95,6 +102,17 @@ class Engine(ABC):
     @abstractmethod
     def sample(self, specs: Sequence[SampleSpec]) -> list[int]:
         """Pick a token for logits rows 0 .. len(specs)-1. Applies logit bias in place."""
+
+    def start_sample(self, specs: Sequence[SampleSpec]) -> Any:
+        """`sample` in two halves: start the picks (an engine on a device queues them and
+        their copy to the host without waiting) and return what `finish_sample` takes. A
+        decode may run between the halves."""
+        return self.sample(specs)
+
+    def finish_sample(self, started: Any) -> list[int]:
+        """The picks `start_sample` started, once they are on the host."""
+        picks: list[int] = started
+        return picks
 
     @abstractmethod
     def logits(self, num_rows: int) -> Any:

@@ -11,11 +11,13 @@ of its new token ids; hidden states stay staged on the device unless a row asked
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from llm_runner_svc.engines.base import (
+    CHAINED,
     DecodeRow,
     Engine,
     EnginePlan,
@@ -58,6 +60,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 class TorchEngine(Engine):
     name = "torch"
+    supports_chaining = True
 
     def __init__(self, config: ModelConfig, weights: ModelWeights | TorchWeights,
                  device: str | torch.device | None = None, dtype: str | None = None,
@@ -123,9 +126,12 @@ class TorchEngine(Engine):
                 self.graphs = DecodeGraphs(self.forward, self.state, plan.max_batch,
                                            capture_hidden=plan.hidden_layer is not None)
                 self.graphs.capture()
-        if self.device.type == "cuda":
-            self._done = torch.cuda.Event()
-            self._ids_host = torch.zeros(plan.max_batch, dtype=torch.int64, pin_memory=True)
+        self._last_batch = 0
+        self._turn = 0
+        if self.device.type == "cuda":  # two sets: a step's picks land while the last's wait
+            self._done = (torch.cuda.Event(), torch.cuda.Event())
+            self._ids_host = torch.zeros((2, plan.max_batch), dtype=torch.int64,
+                                         pin_memory=True)
 
     def close(self) -> None:
         if self._plan is None:
@@ -168,6 +174,7 @@ class TorchEngine(Engine):
                 caps.append((_host_copy(s.cap_emb[:n]), _host_copy(s.cap_state[:n])))
         self.forward.head(n - 1, 1, self.forward.fuses(1, is_decode=False))
         self._greedy_ready = False
+        self._last_batch = 0  # the picks a chained decode would read are overwritten
         if not capture_hidden:
             return None
         return HiddenStates(embeddings=np.concatenate([e for e, _ in caps]),
@@ -181,14 +188,21 @@ class TorchEngine(Engine):
             raise InvalidArgument(f"decode batch of {b} rows; maxBatch is {plan.max_batch}")
         if max(r.position for r in rows) >= plan.max_seq:
             raise InvalidArgument(f"decode position beyond maxSeq {plan.max_seq}")
-        check_token_ids(self.config, [r.token_id for r in rows])
+        is_chained = rows[0].token_id == CHAINED
+        if is_chained and (b != self._last_batch
+                           or any(r.token_id != CHAINED for r in rows)):
+            raise FailedPrecondition("a chained decode takes every row of the previous decode")
+        if not is_chained:
+            check_token_ids(self.config, [r.token_id for r in rows])
+        self._last_batch = b
         capture = plan.hidden_layer is not None and any(r.capture_hidden for r in rows)
+        bucket = self.graphs.bucket_for(b) if self.graphs is not None else b
+        self.stager.stage(rows, bucket)
+        if is_chained:  # the previous picks, still where the last step left them
+            self.state.inputs[:b].copy_(self.state.next_ids[:b])
         if self.graphs is not None:
-            bucket = self.graphs.bucket_for(b)
-            self.stager.stage(rows, bucket)
             self.graphs.replay(bucket)
         else:
-            self.stager.stage(rows, b)
             ids, positions, tables = decode_views(self.state, b)
             self.forward.decode(b, ids, positions, tables, capture)
         self._greedy_ready = True
@@ -199,21 +213,33 @@ class TorchEngine(Engine):
                 if r.capture_hidden else None for i, r in enumerate(rows)]
 
     def sample(self, specs: Sequence[SampleSpec]) -> list[int]:
+        return self.finish_sample(self.start_sample(specs))
+
+    def start_sample(self, specs: Sequence[SampleSpec]) -> Any:
         self._need_plan()
         n = len(specs)
         s = self.state
         if self.device.type == "cpu":
             logits = s.logits[:n].numpy()
             host_logit_bias(logits, specs)
-            return sample_rows(logits, specs)
+            picks = sample_rows(logits, specs)
+            s.next_ids[:n].numpy()[:] = picks  # where a chained decode reads them
+            return picks
         is_plain = all(sp.is_greedy and not sp.logit_bias for sp in specs)
         if not (is_plain and self._greedy_ready):
             apply_logit_bias(s.logits[:n], specs)
             sample_on_device(s.logits[:n], specs, s.next_ids[:n])
-        self._ids_host[:n].copy_(s.next_ids[:n], non_blocking=True)
-        self._done.record()
-        self._done.synchronize()  # the step's one wait on the device
-        picks: list[int] = self._ids_host[:n].tolist()
+        turn = self._turn = 1 - self._turn
+        self._ids_host[turn, :n].copy_(s.next_ids[:n], non_blocking=True)
+        self._done[turn].record()
+        return turn, n
+
+    def finish_sample(self, started: Any) -> list[int]:
+        if self.device.type == "cpu":
+            return super().finish_sample(started)
+        turn, n = started
+        self._done[turn].synchronize()  # the step's one wait on the device
+        picks: list[int] = self._ids_host[turn, :n].tolist()
         return picks
 
     def logits(self, num_rows: int) -> np.ndarray:

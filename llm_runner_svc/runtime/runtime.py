@@ -4,6 +4,14 @@ Requests are submitted from any thread; one thread calls `step()`. A step first 
 cancellations (so a cancel lands at the top of the next step), then prefills requests that
 fit into free batch rows, then runs one decode step for every request that was already
 decoding. Joining and leaving happen only at these boundaries.
+
+On an engine that chains decodes (`Engine.supports_chaining`), a decode step also starts the
+next one for the same rows before it reads its own picks: the next step's tokens are the
+picks the engine still holds, so the device works on step n+1 while the host turns step n
+into events. A step that finds the batch as that decode left it reads its picks and starts
+the one after; any change (a join, a cancel, a request that ended) first reads the picks of
+the decode in flight, and that step decodes nothing more. Requests capturing hidden states,
+and rows about to reach their length limit, are not run ahead.
 """
 
 from __future__ import annotations
@@ -13,8 +21,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
-from llm_runner_svc.engines.base import DecodeRow, Engine, EnginePlan, SampleSpec
+from llm_runner_svc.engines.base import (
+    CHAINED,
+    DecodeRow,
+    Engine,
+    EnginePlan,
+    HiddenStates,
+    SampleSpec,
+)
 from llm_runner_svc.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -36,6 +53,15 @@ from llm_runner_svc.runtime.stops import StopMatcher
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Ahead:
+    """A decode started for `batch` at each one's next_position, its picks not yet read."""
+
+    batch: list[SequenceState]
+    started: Any  # what engine.finish_sample takes
+
+
+
 class InferenceRuntime:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> None:
         self.engine = engine
@@ -54,6 +80,7 @@ class InferenceRuntime:
         self._running: list[SequenceState] = []
         self._seqs: dict[str, SequenceState] = {}
         self._cancels: set[str] = set()
+        self._ahead: _Ahead | None = None
         self._is_ready = False
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -70,6 +97,7 @@ class InferenceRuntime:
             self._seqs.clear()
             self._waiting.clear()
             self._running.clear()
+            self._ahead = None
         self.engine.close()
         self._is_ready = False
 
@@ -164,6 +192,13 @@ class InferenceRuntime:
             num_joins = min(len(self._waiting), self.config.max_batch - len(decoding))
             joins = [self._waiting.popleft() for _ in range(num_joins)]
         events: dict[str, StepEvent] = {}
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            if not ended and not joins and decoding == ahead.batch:
+                self._step_chained(ahead, events)
+                return list(events.values())
+            self._read_ahead(ahead, events)  # this step's tokens; it decodes nothing more
+            decoding = [s for s in decoding if s.finish_reason is None]
         for seq in ended:
             self._finish(seq, self._event(events, seq))
         self._running = list(decoding)  # joins below must not enter this step's decode
@@ -175,7 +210,7 @@ class InferenceRuntime:
                 self._running.append(seq)
             else:
                 self._finish(seq, ev)
-        if decoding:
+        if decoding and ahead is None:
             self._decode(decoding, events)
         return list(events.values())
 
@@ -208,10 +243,12 @@ class InferenceRuntime:
             ev = events[rid] = StepEvent(rid)
         return ev
 
-    def _spec(self, seq: SequenceState) -> SampleSpec:
+    def _spec(self, seq: SequenceState, ahead: int = 0) -> SampleSpec:
+        """How to pick `seq`'s next token (`ahead` 1: the one after it)."""
         sp = seq.req.sampling
         return SampleSpec(sp.temperature, sp.top_k, sp.top_p,
-                          uniform_draw(sp.seed, len(seq.output_ids)), sp.logit_bias or None)
+                          uniform_draw(sp.seed, len(seq.output_ids) + ahead),
+                          sp.logit_bias or None)
 
     def _prefill(self, seq: SequenceState, ev: StepEvent) -> None:
         t0 = time.perf_counter()
@@ -245,15 +282,67 @@ class InferenceRuntime:
                 for s in batch]
         try:
             hidden = self.engine.decode(rows)
-            tokens = self.engine.sample([self._spec(s) for s in batch])
+            started = self.engine.start_sample([self._spec(s) for s in batch])
+            self._ahead = self._start_ahead(batch)
+            tokens = self.engine.finish_sample(started)
         except Exception as exc:
-            log.exception("decode step failed for %d requests", len(batch))
-            msg = exc.message if isinstance(exc, RunnerError) else f"internal error: {exc}"
-            for seq in batch:
-                seq.latch(FinishReason.ERROR, msg)
-                self._finish(seq, self._event(events, seq))
-            self._running = [s for s in self._running if s.finish_reason is None]
+            self._fail_batch(batch, exc, events)
             return
+        self._take_tokens(batch, tokens, hidden, events)
+
+    def _step_chained(self, ahead: _Ahead, events: dict[str, StepEvent]) -> None:
+        """The batch is as the decode in flight left it: start the next, then read it."""
+        try:
+            self._ahead = self._start_ahead(ahead.batch)
+            tokens = self.engine.finish_sample(ahead.started)
+        except Exception as exc:
+            self._ahead = None
+            self._fail_batch(ahead.batch, exc, events)
+            return
+        self._take_tokens(ahead.batch, tokens, [None] * len(tokens), events)
+
+    def _read_ahead(self, ahead: _Ahead, events: dict[str, StepEvent]) -> None:
+        """Take the picks of the decode in flight for the requests still running."""
+        try:
+            tokens = self.engine.finish_sample(ahead.started)
+        except Exception as exc:
+            self._fail_batch([s for s in ahead.batch if s.finish_reason is None], exc, events)
+            return
+        live = [(s, t) for s, t in zip(ahead.batch, tokens, strict=True)
+                if s.finish_reason is None]
+        self._take_tokens([s for s, _ in live], [t for _, t in live], [None] * len(live),
+                          events)
+
+    def _start_ahead(self, batch: list[SequenceState]) -> _Ahead | None:
+        """Start the decode after the one just started for `batch` (rows at next_position
+        + 1, tokens chained on the engine), when the engine chains and every row will still
+        be running; None otherwise."""
+        if not self.engine.supports_chaining:
+            return None
+        ps = self.config.page_size
+        for seq in batch:
+            if (seq.req.capture_hidden or seq.next_position + 1 >= self.max_seq
+                    or len(seq.output_ids) + 1 >= seq.req.sampling.max_new_tokens):
+                return None
+        short = [s for s in batch if (s.next_position + 1) // ps >= len(s.pages)]
+        if not self.pages.can_allocate(len(short)):
+            return None
+        for seq in short:
+            seq.pages.extend(self.pages.allocate(1))
+        self.engine.decode([DecodeRow(CHAINED, s.next_position + 1, s.pages) for s in batch])
+        return _Ahead(list(batch), self.engine.start_sample([self._spec(s, 1) for s in batch]))
+
+    def _fail_batch(self, batch: list[SequenceState], exc: Exception,
+                    events: dict[str, StepEvent]) -> None:
+        log.error("decode step failed for %d requests", len(batch), exc_info=exc)
+        msg = exc.message if isinstance(exc, RunnerError) else f"internal error: {exc}"
+        for seq in batch:
+            seq.latch(FinishReason.ERROR, msg)
+            self._finish(seq, self._event(events, seq))
+        self._running = [s for s in self._running if s.finish_reason is None]
+
+    def _take_tokens(self, batch: list[SequenceState], tokens: list[int],
+                     hidden: list[HiddenStates | None], events: dict[str, StepEvent]) -> None:
         for seq, tok, hs in zip(batch, tokens, hidden, strict=True):
             ev = self._event(events, seq)
             if hs is not None:
