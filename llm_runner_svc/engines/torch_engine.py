@@ -3,9 +3,13 @@
 On the CPU it computes in float32 with plain torch operations (the same numbers as the numpy
 reference). On CUDA it holds bf16 weights and KV (float32 residual stream, logits and
 sampling), runs the elementwise and attention steps as fused Triton kernels, and replays each
-decode step as a CUDA graph captured per batch-size bucket in `preallocate()`. Attention
-reads only the filled pages of each row. A decode step's one host synchronisation is the copy
-of its new token ids; hidden states stay staged on the device unless a row asked for them.
+decode step as a CUDA graph captured per batch-size bucket in `preallocate()`. At batch 1
+(`fused_rows`) and in prefill the products take float32 activations with the norms and
+epilogues fused around them (torch_triton_products.py). Attention reads only the filled pages
+of each row. A decode step's one host synchronisation is the copy of its new token ids, and it
+can be chained: a decode may take the previous decode's picks where they lie on the device,
+so the runtime queues step n+1 before it waits for step n. Hidden states stay staged on the
+device unless a row asked for them.
 """
 
 from __future__ import annotations
