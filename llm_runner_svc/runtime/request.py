@@ -32,6 +32,7 @@ class GenerationRequest:
     stop: Sequence[str] = ()
     capture_hidden: bool = False
     ignore_eos: bool = False
+    label: str = ""  # the caller's own name for the request (a stage: its client's id)
 
     def __post_init__(self) -> None:
         if not self.request_id:

@@ -145,4 +145,5 @@ def build_runtime_request(runtime: InferenceRuntime, slot: Slot) -> tuple[Genera
                        top_p=req.top_p, max_new_tokens=req.max_tokens, seed=seed,
                        logit_bias=req.logit_bias)
     return GenerationRequest(slot.runtime_id, slot.prompt_ids, sampling, stop=req.stop,
-                             capture_hidden=req.wants_hidden, ignore_eos=req.ignore_eos), seed
+                             capture_hidden=req.wants_hidden, ignore_eos=req.ignore_eos,
+                             label=req.request_id), seed

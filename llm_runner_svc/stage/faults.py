@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_runner_svc.errors import InvalidArgument
-from llm_runner_svc.runtime import FinishReason, InferenceRuntime, StepEvent
+from llm_runner_svc.runtime import FinishReason, GenerationRequest, InferenceRuntime, StepEvent
 
 ENV = "LLM_RUNNER_FAULTS"
 INJECTED_ERROR = "injected fault: the request failed on purpose"
@@ -63,8 +63,8 @@ def faults_from_env(environ: Mapping[str, str] | None = None) -> Faults | None:
 
 
 class FaultyRuntime(InferenceRuntime):
-    """The runtime with `faults` applied to each step. The stage marks the requests that
-    must fail (`mark_for_error`), since only it knows their request ids."""
+    """The runtime with `faults` applied to each step. Which requests fail or slow the steps
+    is read from the caller's request id the stage puts in each request's `label`."""
 
     def __init__(self, faults: Faults, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -73,13 +73,15 @@ class FaultyRuntime(InferenceRuntime):
         self._doomed: set[str] = set()  # cancelled by us: their end becomes ERROR
         self._slow: set[str] = set()  # runtime ids of live slow requests
 
-    def mark(self, runtime_id: str, request_id: str) -> None:
-        """Called when a request joins: decide whether it fails or slows the steps."""
+    def submit(self, req: GenerationRequest) -> None:
+        """Decide, by the caller's request id (`label`), whether `req` fails or slows the
+        steps, then queue it."""
         f = self.faults
-        if f.error_prefix and request_id.startswith(f.error_prefix):
-            self._marked[runtime_id] = 0
-        if f.slow_prefix and request_id.startswith(f.slow_prefix):
-            self._slow.add(runtime_id)
+        if f.error_prefix and req.label.startswith(f.error_prefix):
+            self._marked[req.request_id] = 0
+        if f.slow_prefix and req.label.startswith(f.slow_prefix):
+            self._slow.add(req.request_id)
+        super().submit(req)
 
     def step(self) -> list[StepEvent]:
         if self.faults.step_delay_ms and (self._slow or not self.faults.slow_prefix):

@@ -349,8 +349,6 @@ class LlmStage:
         slot.cohort = cohort
         cohort.add(slot)
         self._by_runtime_id[slot.runtime_id] = slot
-        if isinstance(self.runtime, FaultyRuntime):
-            self.runtime.mark(slot.runtime_id, slot.request.request_id)
         self.loop.wake()
 
     def _end_unstarted(self, slot: Slot, reason: FinishReason) -> None:
