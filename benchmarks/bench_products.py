@@ -1,13 +1,16 @@
-"""The fused products (llm_runner_svc/engines/torch_triton_products.py) against cuBLAS, on one
-GPU, at the real model shapes: what picks their tiles and `fused_rows`.
+"""The fused batch-1 products (llm_runner_svc/engines/torch_triton_products.py) against
+cuBLAS, on one GPU, at the real model shapes: what picks `gemv_tiles`, `GEMV_LIMITS` and
+`fused_rows`.
 
 Part 1, per matrix of each shape (random bf16 weights, float32 activations): the time of one
-product inside a CUDA graph of 50 (so launch gaps count as they do in a decode step), for
-`tiles()`'s choice, for the other tile candidates, and for cuBLAS (bf16 activations, float32
+product inside a CUDA graph of 50 (so launch gaps count as they do in a decode step; the
+smaller matrices stay in L2 across the 50, so these are best cases), for `gemv_tiles()`'s
+choice, for the other tile candidates (at one row), and for cuBLAS (bf16 activations, float32
 output), at each row count. Part 2, whole decode steps: the captured step of an engine with
-the fused products on (`fused_rows` 1, the default) and off (0), at batch 1.
+the fused products on (`fused_rows` 1, the default) and off (0), at batches 1 and 2.
 
-Usage: python benchmarks/bench_products.py [--shapes ...] [--rows 1,4,8,16] [--json FILE]
+Usage: python benchmarks/bench_products.py [--shapes ...] [--rows 1] [--steps-only]
+       [--json FILE]
 """
 
 from __future__ import annotations

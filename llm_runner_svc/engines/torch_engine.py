@@ -74,7 +74,8 @@ class TorchEngine(Engine):
         "torch" for the plain reference ops, run eagerly.
         `fused_rows`: with triton kernels and bf16 weights, decode batches of at most this
         many rows (and every prefill window) run on the fused products of
-        torch_triton_products.py; larger batches on cuBLAS. 0 turns the fused products off."""
+        torch_triton_products.py, but for matrices past its GEMV_LIMITS; larger batches on
+        cuBLAS. 0 turns the fused products off."""
         self.config = config
         self.device = resolve_device(device)
         default = "bfloat16" if self.device.type == "cuda" else "float32"
