@@ -34,7 +34,8 @@ import llm_runner_svc  # noqa: F401  (first: its BLAS settings apply before nump
 import numpy as np
 
 from llm_runner_svc import codec
-from llm_runner_svc.stage.publish import HiddenPublisher, WireArray
+from llm_runner_svc.stage.hidden_messages import WireArray
+from llm_runner_svc.stage.publish import HiddenPublisher
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.contract.llmstage.v1 import stage_pb2_grpc
 from services.server import ServerOptions, create_server

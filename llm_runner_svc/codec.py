@@ -12,7 +12,7 @@ from llm_runner_svc.runtime import FinishReason, RequestMetrics
 from llm_runner_svc.stage import ChatTurn, SlotState, StageRequest
 from llm_runner_svc.stage.admission import Admission, Refusal
 from llm_runner_svc.stage.describe import StageDescription
-from llm_runner_svc.stage.publish import (
+from llm_runner_svc.stage.hidden_messages import (
     BatchMessage,
     EndMessage,
     PortMessage,

@@ -11,104 +11,35 @@ RESOURCE_EXHAUSTED naming the lag. Nothing is dropped silently.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from llm_runner_svc.errors import ResourceExhausted, RunnerError
+from llm_runner_svc.stage.hidden_messages import (
+    MAX_INLINE_BYTES_PER_MESSAGE,
+    MAX_STEPS_PER_MESSAGE,
+    BatchMessage,
+    BlockMessage,
+    EndMessage,
+    HiddenMessage,
+    PortMessage,
+    RegionMessage,
+    StepsMessage,
+    TensorBytes,
+    inline_bytes,
+    raw,
+)
 from llm_runner_svc.stage.shm_ring import ShmRing
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("block", "disconnect")
 _SHM_POLL_S = 0.0002
-
-
-class WireArray:
-    """Rows whose wire dtype numpy cannot name (bfloat16), held as same-width integers:
-    `WireArray(bits_as_uint16, "bfloat16")`. Publishes like an array of that dtype."""
-
-    __slots__ = ("bits", "dtype", "shape")
-
-    def __init__(self, bits: np.ndarray, dtype: str) -> None:
-        self.bits, self.shape = bits, bits.shape
-        self.dtype = _wire_dtype(dtype, bits.dtype.itemsize)
-
-    def __getitem__(self, rows: slice) -> WireArray:
-        return WireArray(self.bits[rows], self.dtype.name)
-
-    def tobytes(self) -> bytes:
-        return self.bits.tobytes()
-
-
-@functools.cache
-def _wire_dtype(name: str, itemsize: int) -> SimpleNamespace:
-    return SimpleNamespace(name=name, itemsize=itemsize)
-
-
-def _raw(array: Any) -> np.ndarray:
-    """The array (a WireArray's bits) as a C-contiguous ndarray: itself when it already is."""
-    return np.ascontiguousarray(array.bits if isinstance(array, WireArray) else array)
-
-
-@dataclass(frozen=True)
-class TensorBytes:
-    dtype: str  # "float32", "bfloat16", ...
-    shape: tuple[int, ...]
-    data: bytes | None  # None when the bytes are in the ring at (offset, length)
-    offset: int = 0
-    length: int = 0
-
-
-@dataclass(frozen=True)
-class HiddenMessage:
-    request_id: str
-    seq: int
-    start_position: int
-    token_ids: tuple[int, ...]
-    embeddings: TensorBytes
-    states: TensorBytes
-    is_prefill: bool
-
-
-@dataclass(frozen=True)
-class EndMessage:
-    request_id: str
-    seq: int
-    finish_reason: str
-    error: str
-
-
-@dataclass(frozen=True)
-class RegionMessage:
-    name: str
-    size: int
-
-
-@dataclass(frozen=True)
-class BlockMessage:
-    """Every single-row decode window of one step, rows stacked: [rows, hidden]."""
-
-    request_ids: tuple[str, ...]
-    seqs: tuple[int, ...]
-    positions: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    embeddings: TensorBytes
-    states: TensorBytes
-
-
-@dataclass(frozen=True)
-class BatchMessage:
-    """One decode step's messages for a subscription to every request."""
-
-    messages: tuple[HiddenMessage | EndMessage, ...]
-    block: BlockMessage | None = None
 
 
 @dataclass
@@ -147,28 +78,6 @@ class _StepBatch:
                              "decode rows")
         self.dtype, self.width = dtype, width
         self.rows.extend(cols)
-
-
-@dataclass(frozen=True)
-class StepsMessage:
-    """Consecutive steps' batches taken together by a reader that fell behind."""
-
-    steps: tuple[BatchMessage, ...]
-
-
-PortMessage = HiddenMessage | EndMessage | RegionMessage | BatchMessage | StepsMessage
-
-MAX_STEPS_PER_MESSAGE = 64
-MAX_INLINE_BYTES_PER_MESSAGE = 256 << 10  # past this a message gains nothing by coalescing
-
-
-def _inline_bytes(msg: BatchMessage) -> int:
-    """Tensor bytes the batch carries in the message itself (0 with shared memory)."""
-    n = sum(len(m.embeddings.data or b"") + len(m.states.data or b"")
-            for m in msg.messages if isinstance(m, HiddenMessage))
-    if msg.block is not None:
-        n += len(msg.block.embeddings.data or b"") + len(msg.block.states.data or b"")
-    return n
 
 
 @dataclass
@@ -218,12 +127,12 @@ class Subscriber:
             self._close(error)
 
     def _take_backlog(self, first: BatchMessage) -> BatchMessage | StepsMessage:
-        steps, size = [first], _inline_bytes(first)
+        steps, size = [first], inline_bytes(first)
         while self._items and len(steps) < MAX_STEPS_PER_MESSAGE:
             nxt = self._items[0]
             if not isinstance(nxt, BatchMessage):
                 break
-            size += _inline_bytes(nxt)
+            size += inline_bytes(nxt)
             if size > MAX_INLINE_BYTES_PER_MESSAGE:
                 break
             steps.append(nxt)
@@ -351,7 +260,7 @@ class HiddenPublisher:
             if not subs:
                 continue
             hi = min(n, lo + step)
-            emb, st = _raw(embeddings[lo:hi]), _raw(states[lo:hi])
+            emb, st = raw(embeddings[lo:hi]), raw(states[lo:hi])
             self.num_bytes_published += emb.nbytes + st.nbytes
             self.num_messages_published += 1
             shape = (hi - lo, hidden)
@@ -381,8 +290,8 @@ class HiddenPublisher:
         if any(r[3].shape != (1, width) or r[4].shape != (1, width) for r in rows):
             raise ValueError(f"decode rows must all be [1, {width}]")
         cols = _Columns([r[0] for r in rows], seqs, [r[1] for r in rows],
-                        [r[2] for r in rows], [_raw(r[3]) for r in rows],
-                        [_raw(r[4]) for r in rows])
+                        [r[2] for r in rows], [raw(r[3]) for r in rows],
+                        [raw(r[4]) for r in rows])
         self.num_bytes_published += 2 * len(rows) * width * first.dtype.itemsize
         self.num_messages_published += len(rows)
         for sub in self._all:

@@ -16,16 +16,15 @@ import pytest
 from llm_stage_client.hidden import HiddenBlock, PortEnd, subscribe_hidden
 
 from llm_runner_svc import codec
-from llm_runner_svc.stage.publish import (
+from llm_runner_svc.stage.hidden_messages import (
     MAX_STEPS_PER_MESSAGE,
     BatchMessage,
     BlockMessage,
-    HiddenPublisher,
     StepsMessage,
-    Subscriber,
     TensorBytes,
     WireArray,
 )
+from llm_runner_svc.stage.publish import HiddenPublisher, Subscriber
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.contract.llmstage.v1 import stage_pb2_grpc
 from services.server import ServerOptions, create_server
