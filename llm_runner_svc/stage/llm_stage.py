@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import zlib
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -31,6 +30,7 @@ from llm_runner_svc.stage.diagnostics import slot_diagnostics, stage_diagnostics
 from llm_runner_svc.stage.faults import FaultyRuntime, faults_from_env
 from llm_runner_svc.stage.metrics import StageMetrics
 from llm_runner_svc.stage.publish import HiddenPublisher, Subscriber
+from llm_runner_svc.stage.publish_step import publish_step
 from llm_runner_svc.stage.request import StageRequest
 from llm_runner_svc.stage.slots import Slot, SlotState, SlotTable, check_slot_id
 from llm_runner_svc.stage.stepping import Cohort, JoinRefusal, StepLoop
@@ -309,37 +309,9 @@ class LlmStage:
                 self.metrics.run_ended(slot)
         self.hidden.begin_step()
         try:
-            await self._publish_step(pairs)
+            await publish_step(self.hidden, pairs)
         finally:
             await self.hidden.flush_step()
-
-    async def _publish_step(self, pairs: list[tuple[Slot, StepEvent]]) -> None:
-        """Prefill windows first, then the step's decode rows together, then the ends (a
-        request's rows always precede its end)."""
-        rows: list[tuple[str, int, int, Any, Any]] = []
-        ends: list[tuple[str, str, str | None]] = []
-        for slot, ev in pairs:
-            if not slot.request.wants_hidden:
-                continue
-            rid = slot.request.request_id
-            num_prompt = len(slot.prompt_ids)
-            for hs in ev.hidden:
-                # A checksum at the source, so a consumer can prove it got these exact bytes.
-                slot.hidden_crc32 = zlib.crc32(hs.states.tobytes(), slot.hidden_crc32)
-                slot.num_hidden_windows += 1
-                p = hs.start_position
-                if p < num_prompt:
-                    n = hs.states.shape[0]
-                    await self.hidden.publish(rid, p, list(slot.prompt_ids[p:p + n]),
-                                              hs.embeddings, hs.states, True)
-                else:  # one decode position: the token fed there is an earlier output
-                    rows.append((rid, p, slot.output_ids[p - num_prompt], hs.embeddings,
-                                 hs.states))
-            if ev.finish_reason is not None:
-                ends.append((rid, ev.finish_reason.value, ev.error))
-        await self.hidden.publish_rows(rows)
-        for rid, reason, error in ends:
-            await self.hidden.end(rid, reason, error)
 
     def _enter(self, cohort: Cohort, slot: Slot) -> None:
         assert slot.runtime_request is not None
