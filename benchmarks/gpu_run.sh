@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The whole GPU run in one call on a machine with a CUDA GPU and no network: install the
-# carried wheels (.whl/), rebuild SmolLM2's GGUF when both of its parts were carried (.gpu/a,
-# .gpu/b: one transfer is too small for the whole file), run the GPU tests (parity, kernels,
-# allocation), then the benchmark. Logs and JSON go to $OUT.
+# carried wheels (.whl/), rebuild SmolLM2's GGUF when both of its parts are there (.gpu/a,
+# .gpu/b: halves of the 94 MiB file, more than one transfer takes; carry one half with a
+# first short call and the other with this one, while the machine is still held, since files
+# carried earlier stay on it), run the GPU tests (parity, kernels, allocation), then the
+# benchmark. Logs and JSON go to $OUT.
 #   PYTEST_ARGS: extra pytest arguments (e.g. -k smollm2); BENCH=0 skips the benchmark;
 #   BENCH_ARGS: arguments for benchmarks/bench_gpu.py.
 set -uo pipefail
