@@ -120,8 +120,9 @@ async def _orch_one(stub: orchestrator_pb2_grpc.OrchestratorStub, i: int, num_to
             now = time.perf_counter()
             if first is None:
                 first = now - t0
-            else:
-                gaps.append(now - last)
+            else:  # a delta gathers several tokens for a caller that lags: per token
+                n = max(1, len(ev.delta.token_ids))
+                gaps += [(now - last) / n] * n
             last = now
     return first or 0.0, gaps
 

@@ -96,18 +96,20 @@ async def grpc_orchestrator(target: str, prompts: list[list[int]], steps: int) -
     async with grpc.aio.insecure_channel(target) as ch:
         stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
 
-        async def one(ids: list[int]) -> list[float]:
+        async def one(ids: list[int]) -> float:
             req = pb.GenerationRequest(ignore_eos=True, sampling=pb.SamplingOverrides(
                 temperature=0.0, max_tokens=steps))
             req.token_ids.ids.extend(ids)
-            stamps = []
+            stamps: list[tuple[float, int]] = []  # (arrival, tokens) of each delta
             async for ev in stub.Generate(opb.GenerateRequest(request=req)):
                 if ev.HasField("delta"):
-                    stamps.append(time.perf_counter())
-            return _gaps(stamps)
+                    stamps.append((time.perf_counter(), len(ev.delta.token_ids)))
+            # A caller that lags gets several tokens in one delta: time per token after the
+            # first delta, not the gap between deltas.
+            return (stamps[-1][0] - stamps[0][0]) / sum(n for _, n in stamps[1:])
 
         per = await asyncio.gather(*[one(ids) for ids in prompts])
-    return statistics.median(g for gaps in per for g in gaps)
+    return statistics.median(per)
 
 
 def hf_generate(model: torch.nn.Module, prompts: list[list[int]], steps: int) -> float:

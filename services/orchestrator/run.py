@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _tracer = trace.get_tracer("llmstage.orchestrator")
 CONTROL_TIMEOUT_S = 30.0  # a single control call when the caller set no deadline
+MAX_TOKENS_PER_DELTA = 256  # the most a lagging caller's delta gathers
 
 
 @dataclass
@@ -70,6 +71,7 @@ class RequestRun:
         self.trace_ctx = trace_ctx  # the request's root span: parent of every stage call
         self.has_first_token = False
         self._updates: asyncio.Queue[Item] = asyncio.Queue()
+        self._held: Item | None = None  # taken from the queue by _coalesce, not yet handled
 
     # ---- the happy path ----------------------------------------------------------------
     async def events(self) -> Any:
@@ -110,9 +112,10 @@ class RequestRun:
                     self.has_first_token = True
                     trace.get_current_span(self.trace_ctx).add_event(
                         "first_token", {"llmstage.stage_id": stage_id})
+                token_ids, text = self._coalesce(stage_id, list(item.token_ids), item.text)
                 yield opb.GenerateEvent(delta=opb.Delta(
-                    stage_id=stage_id, port=sink_ports[stage_id], token_ids=item.token_ids,
-                    text=item.text))
+                    stage_id=stage_id, port=sink_ports[stage_id], token_ids=token_ids,
+                    text=text))
         yield opb.GenerateEvent(final=await self._finish_all())
 
     def cancel(self) -> None:
@@ -149,7 +152,30 @@ class RequestRun:
             raise DeadlineExceeded(f"request {self.request_id}: deadline exceeded")
         return left
 
+    def _coalesce(self, stage_id: str, token_ids: list[int], text: str
+                  ) -> tuple[list[int], str]:
+        """Add to one delta the updates of `stage_id` already waiting behind it (a caller
+        that reads slower than the stages step gets fewer, larger deltas instead of a growing
+        backlog). Stops at another stage's update, an ending or an error, which is held for
+        the next `_next_update`."""
+        while self._held is None and len(token_ids) < MAX_TOKENS_PER_DELTA:
+            try:
+                nxt = self._updates.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+            nxt_stage, update = nxt
+            if (nxt_stage != stage_id or isinstance(update, ServiceError)
+                    or update.status == pb.MEMBER_STATUS_ENDED):
+                self._held = nxt
+                break
+            token_ids += update.token_ids
+            text += update.text
+        return token_ids, text
+
     async def _next_update(self) -> Item:
+        if self._held is not None:
+            held, self._held = self._held, None
+            return held
         if self.deadline is None:
             return await self._updates.get()
         try:
