@@ -35,13 +35,10 @@ from llm_runner_svc.engines.torch_engine import TorchEngine  # noqa: E402
 from llm_runner_svc.engines.torch_weights import named_shape  # noqa: E402
 from llm_runner_svc.models.spec import LayerWeights, ModelConfig, ModelWeights  # noqa: E402
 from llm_runner_svc.runtime import InferenceRuntime, RuntimeConfig  # noqa: E402
-from llm_runner_svc.server import stop_stage_server  # noqa: E402
-from llm_runner_svc.servicer import SERVICE_NAME, StageServicer  # noqa: E402
-from llm_runner_svc.stage import LlmStage, StageConfig  # noqa: E402
-from services.contract.llmstage.v1 import stage_pb2_grpc  # noqa: E402
+from llm_runner_svc.stage import StageConfig  # noqa: E402
 from services.orchestrator.service import create_orchestrator_server  # noqa: E402
 from services.orchestrator.topology import single_stage  # noqa: E402
-from services.server import ServerOptions, create_server  # noqa: E402
+from services.server import ServerOptions  # noqa: E402
 
 
 def copy_bandwidth() -> float:
@@ -108,15 +105,7 @@ def graph_step_ms(engine: TorchEngine, batch: int) -> float:
     graphs = engine.graphs
     assert graphs is not None
     bucket = graphs.bucket_for(batch)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        graphs.replay(bucket)
-    start.record()
-    for _ in range(100):
-        graphs.replay(bucket)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 100
+    return gpu_paths.event_ms(lambda: graphs.replay(bucket), reps=100, warmup=5)
 
 
 async def served(engine: TorchEngine, model, rt_config: RuntimeConfig, batches: list[int],
@@ -125,24 +114,21 @@ async def served(engine: TorchEngine, model, rt_config: RuntimeConfig, batches: 
     client in a child process."""
     config = StageConfig(stage_id="backbone", engine="torch", max_batch=rt_config.max_batch,
                          max_seq=rt_config.max_seq)
-    stage = LlmStage(config, model, InferenceRuntime(engine, model.tokenizer, rt_config))
-    await stage.start()
-    handle = await create_server(ServerOptions(port=0), [(
-        stage_pb2_grpc.add_StageServicer_to_server, StageServicer(stage), SERVICE_NAME)])
-    target = f"127.0.0.1:{handle.port}"
-    orch_handle, orch = await create_orchestrator_server(single_stage([target]),
-                                                         ServerOptions(port=0))
+    rt = InferenceRuntime(engine, model.tokenizer, rt_config)
     out: dict[int, dict] = {}
-    try:
-        for b in batches:
-            direct = await gpu_paths.client_process("grpc_direct", target, prompts[b], steps)
-            via = await gpu_paths.client_process(
-                "grpc_orchestrator", f"127.0.0.1:{orch_handle.port}", prompts[b], steps)
-            out[b] = {"grpc_ms": 1000 * direct, "orchestrator_ms": 1000 * via}
-    finally:
-        await orch_handle.server.stop(0)
-        await orch.close()
-        await stop_stage_server(handle, stage)
+    async with gpu_paths.stage_server(config, model, rt) as target:
+        orch_handle, orch = await create_orchestrator_server(single_stage([target]),
+                                                             ServerOptions(port=0))
+        try:
+            for b in batches:
+                direct = await gpu_paths.client_process("grpc_direct", target, prompts[b],
+                                                        steps)
+                via = await gpu_paths.client_process(
+                    "grpc_orchestrator", f"127.0.0.1:{orch_handle.port}", prompts[b], steps)
+                out[b] = {"grpc_ms": 1000 * direct, "orchestrator_ms": 1000 * via}
+        finally:
+            await orch_handle.server.stop(0)
+            await orch.close()
     return out
 
 

@@ -17,20 +17,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
+import triton
 
-from llm_runner_svc.engines.base import DecodeRow, EnginePlan
-from llm_runner_svc.engines.torch_engine import TorchEngine
-from llm_runner_svc.engines.torch_triton_products import (
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_paths  # noqa: E402
+
+from llm_runner_svc.engines.base import DecodeRow, EnginePlan  # noqa: E402
+from llm_runner_svc.engines.torch_engine import TorchEngine  # noqa: E402
+from llm_runner_svc.engines.torch_triton_products import (  # noqa: E402
     ACCUMULATE,
     SILU_GATE,
     STORE,
     gemv_kernel,
     gemv_tiles,
 )
-from llm_runner_svc.engines.torch_weights import named_shape, random_weights
+from llm_runner_svc.engines.torch_weights import named_shape, random_weights  # noqa: E402
 
 CANDIDATES = [(4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8),
               (32, 256, 8), (32, 128, 4), (4, 512, 4), (8, 256, 4), (2, 1024, 4),
@@ -46,16 +51,7 @@ def in_graph_us(fn, reps: int = 50) -> float:
     with torch.cuda.graph(graph):
         for _ in range(reps):
             fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps)
-    return sorted(times)[2]
+    return 1000 * gpu_paths.event_ms(graph.replay, reps=1, rounds=5, warmup=1) / reps
 
 
 def matrices(name: str) -> list[tuple[str, int, int, int, bool]]:
@@ -83,7 +79,7 @@ def bench_matrix(n: int, k: int, mode: int, normed: bool, m: int) -> dict:
 
     def fused(cfg):
         bn, bk, warps = cfg
-        return lambda: gemv_kernel[(triton_cdiv(n, bn),)](
+        return lambda: gemv_kernel[(triton.cdiv(n, bn),)](
             a, a.stride(0), w, w, norm, out, out.stride(0), m, n, k, 1e-6, HAS_NORM=normed,
             HAS_BIAS=False, MODE=mode, BM=bm, BN=bn, BK=bk, num_warps=warps)
 
@@ -108,10 +104,6 @@ def bench_matrix(n: int, k: int, mode: int, normed: bool, m: int) -> dict:
     return row
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def step_us(name: str, fused_rows: int, buckets: list[int]) -> dict[int, float]:
     config = named_shape(name)
     weights = random_weights(config, torch.device("cuda"), torch.bfloat16)
@@ -124,18 +116,9 @@ def step_us(name: str, fused_rows: int, buckets: list[int]) -> dict[int, float]:
     graphs = eng.graphs
     assert graphs is not None
     out = {}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for b in buckets:
         eng.decode(rows[:b])  # stages the inputs the replays below reuse
-        times = []
-        for _ in range(5):
-            start.record()
-            for _ in range(20):
-                graphs.replay(b)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1000 / 20)
-        out[b] = sorted(times)[2]
+        out[b] = 1000 * gpu_paths.event_ms(lambda b=b: graphs.replay(b), reps=20, rounds=5)
     eng.close()
     del eng, weights
     torch.cuda.empty_cache()

@@ -39,11 +39,7 @@ from llm_runner_svc.engines.base import DecodeRow, HiddenStates  # noqa: E402
 from llm_runner_svc.engines.numpy_engine import NumpyEngine  # noqa: E402
 from llm_runner_svc.models import Model, load_model  # noqa: E402
 from llm_runner_svc.runtime import InferenceRuntime, RuntimeConfig  # noqa: E402
-from llm_runner_svc.server import stop_stage_server  # noqa: E402
-from llm_runner_svc.servicer import SERVICE_NAME, StageServicer  # noqa: E402
-from llm_runner_svc.stage import LlmStage, StageConfig  # noqa: E402
-from services.contract.llmstage.v1 import stage_pb2_grpc  # noqa: E402
-from services.server import ServerOptions, create_server  # noqa: E402
+from llm_runner_svc.stage import StageConfig  # noqa: E402
 
 PROMPT = [1, 403, 407, 261, 378, 365, 280, 314]  # a short story opening, as token ids
 
@@ -85,15 +81,8 @@ async def served(rt: InferenceRuntime, model: Model, prompts: list[list[int]],
                  steps: int) -> float:
     """Median Step-stream event gap (seconds) seen by a client in a child process."""
     config = StageConfig(max_batch=rt.config.max_batch, max_seq=rt.max_seq)
-    stage = LlmStage(config, model, rt)
-    await stage.start()
-    handle = await create_server(ServerOptions(port=0), [(
-        stage_pb2_grpc.add_StageServicer_to_server, StageServicer(stage), SERVICE_NAME)])
-    try:
-        return await gpu_paths.client_process("grpc_direct", f"127.0.0.1:{handle.port}",
-                                              prompts, steps)
-    finally:
-        await stop_stage_server(handle, stage)
+    async with gpu_paths.stage_server(config, model, rt) as target:
+        return await gpu_paths.client_process("grpc_direct", target, prompts, steps)
 
 
 def measure(model: Model, case: Case) -> tuple[float, float]:

@@ -12,11 +12,12 @@ stdin prints the median step time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 import torch
@@ -24,9 +25,13 @@ import torch
 from llm_runner_svc.models import Model
 from llm_runner_svc.models.tokenizer import Tokenizer
 from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, resolve
+from llm_runner_svc.server import stop_stage_server
+from llm_runner_svc.servicer import SERVICE_NAME, StageServicer
+from llm_runner_svc.stage import LlmStage, StageConfig
 from services.contract.llmstage.v1 import orchestrator_pb2 as opb
 from services.contract.llmstage.v1 import orchestrator_pb2_grpc, stage_pb2_grpc
 from services.contract.llmstage.v1 import stage_pb2 as pb
+from services.server import ServerOptions, create_server
 
 
 class IdTokenizer(Tokenizer):
@@ -42,6 +47,38 @@ class IdTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int], after_bos: bool = False) -> str:
         return "".join(chr(0x4E00 + i % 20000) for i in ids)
+
+
+def event_ms(run: Callable[[], object], reps: int, rounds: int = 1, warmup: int = 0) -> float:
+    """Milliseconds per call of `run` (GPU work it queues, timed between CUDA events): `reps`
+    calls back to back per round, the median round of `rounds`, after `warmup` calls."""
+    for _ in range(warmup):
+        run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(rounds):
+        start.record()
+        for _ in range(reps):
+            run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+@contextlib.asynccontextmanager
+async def stage_server(config: StageConfig, model: Model, rt: InferenceRuntime
+                       ) -> AsyncIterator[str]:
+    """Our runner's Stage service over `rt` on a loopback port in this process; yields its
+    address and stops it on the way out."""
+    stage = LlmStage(config, model, rt)
+    await stage.start()
+    handle = await create_server(ServerOptions(port=0), [(
+        stage_pb2_grpc.add_StageServicer_to_server, StageServicer(stage), SERVICE_NAME)])
+    try:
+        yield f"127.0.0.1:{handle.port}"
+    finally:
+        await stop_stage_server(handle, stage)
 
 
 def in_process(rt: InferenceRuntime, prompts: list[list[int]], steps: int) -> float:
