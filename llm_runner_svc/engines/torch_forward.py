@@ -50,8 +50,9 @@ class Forward:
         self.hidden_layer = hidden_layer
         self.page_size = page_size
         self.has_f32_products = has_f32_products
-        self.products = getattr(ops, "products", None)
+        self.products = ops.products
         self.fused_rows = fused_rows
+        self._ropes = [Rope(state.cos, state.sin, lw.q_norm, lw.k_norm) for lw in weights.layers]
 
     # ---- products --------------------------------------------------------------------
     def _accumulate(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> None:
@@ -171,9 +172,8 @@ class Forward:
         s = self.s
 
         def attend(li: int, qkv: torch.Tensor, out: torch.Tensor) -> None:
-            lw = self.weights.layers[li]
             self.ops.decode_attention(qkv, s.k_pool[li], s.v_pool[li], positions, tables, out,
-                                      Rope(s.cos, s.sin, lw.q_norm, lw.k_norm))
+                                      self._ropes[li])
 
         fused = self.fuses(batch, is_decode=True)
         self.embed(ids, batch, capture)

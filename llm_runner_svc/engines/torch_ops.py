@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,9 @@ class Rope:
 
 class TorchOps:
     """Reference implementations; see the module docstring."""
+
+    ropes_in_decode_attention = False  # rope_store runs before decode_attention
+    products: Any = None  # the fused products (TritonOps with bf16 weights), else None
 
     def __init__(self, config: ModelConfig, page_size: int) -> None:
         self.config = config
@@ -103,8 +107,6 @@ class TorchOps:
         slots = pool_slots(positions, tables, self.page_size)
         k_pool.index_copy_(0, slots, qkv[:, c.q_dim:c.q_dim + c.kv_dim])
         v_pool.index_copy_(0, slots, qkv[:, c.q_dim + c.kv_dim:])
-
-    ropes_in_decode_attention = False  # rope_store runs before decode_attention
 
     def decode_attention(self, qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          positions: torch.Tensor, tables: torch.Tensor, out: torch.Tensor,
