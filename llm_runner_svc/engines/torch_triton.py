@@ -95,8 +95,8 @@ class TritonOps(TorchOps):
         rope_store_kernel[(n, c.num_heads + c.num_kv_heads)](
             qkv, qkv.stride(0), positions, tables, tables.stride(0), cos, sin, k_pool, v_pool,
             q_norm if has_norm else cos, k_norm if has_norm else cos, c.rms_eps,
-            NUM_HEADS=c.num_heads, NUM_KV=c.num_kv_heads, HD=c.head_dim, HALF=half,
-            HALF_P=_pow2(half), PAGE=self.page_size,
+            NUM_HEADS=c.num_heads, NUM_KV=c.num_kv_heads, HD=c.head_dim, HD_P=self._hd_p,
+            HALF=half, PAGE=self.page_size,
             INTERLEAVED=c.rope_style is RopeStyle.INTERLEAVED, HAS_QK_NORM=has_norm,
             num_warps=1)
 

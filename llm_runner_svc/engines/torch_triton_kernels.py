@@ -44,51 +44,32 @@ def silu_mul_kernel(gu_ptr, gu_stride, out_ptr, out_stride, n_cols, BLOCK: tl.co
 def rope_store_kernel(qkv_ptr, qkv_stride, pos_ptr, tables_ptr, table_stride, cos_ptr,
                       sin_ptr, k_pool_ptr, v_pool_ptr, q_norm_ptr, k_norm_ptr, eps,
                       NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HD: tl.constexpr,
-                      HALF: tl.constexpr, HALF_P: tl.constexpr, PAGE: tl.constexpr,
+                      HD_P: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
                       INTERLEAVED: tl.constexpr, HAS_QK_NORM: tl.constexpr):
-    """Grid (rows, heads + kv_heads): one head vector per program."""
+    """Grid (rows, heads + kv_heads): one head vector per program, rotated (q/k-normalized
+    first, for such models) as decode attention rotates it; q in place, k and v into the
+    pool."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     pos = tl.load(pos_ptr + row)
-    i = tl.arange(0, HALF_P)
-    mask = i < HALF
-    if INTERLEAVED:
-        ia = 2 * i
-        ib = 2 * i + 1
-    else:
-        ia = i
-        ib = i + HALF
+    d = tl.arange(0, HD_P)
+    dmask = d < HD
+    partner, sign, cs, sn = _rope_pairs(d, pos, cos_ptr, sin_ptr, HALF, INTERLEAVED)
     base = qkv_ptr + row * qkv_stride + head * HD  # k heads follow the q heads
-    a = tl.load(base + ia, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(base + ib, mask=mask, other=0.0).to(tl.float32)
-    if HAS_QK_NORM:
-        inv = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / HD + eps)
-        if head < NUM_HEADS:
-            wa = tl.load(q_norm_ptr + ia, mask=mask, other=0.0)
-            wb = tl.load(q_norm_ptr + ib, mask=mask, other=0.0)
-        else:
-            wa = tl.load(k_norm_ptr + ia, mask=mask, other=0.0)
-            wb = tl.load(k_norm_ptr + ib, mask=mask, other=0.0)
-        a = a * inv * wa
-        b = b * inv * wb
-    c = tl.load(cos_ptr + pos * HALF + i, mask=mask, other=0.0)
-    s = tl.load(sin_ptr + pos * HALF + i, mask=mask, other=0.0)
-    ra = a * c - b * s
-    rb = b * c + a * s
+    x = tl.load(base + d, mask=dmask, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner, mask=dmask, other=0.0).to(tl.float32)
     if head < NUM_HEADS:
-        tl.store(base + ia, ra.to(qkv_ptr.dtype.element_ty), mask=mask)
-        tl.store(base + ib, rb.to(qkv_ptr.dtype.element_ty), mask=mask)
+        r = _rotate(x, xp, sign, cs, sn, q_norm_ptr, d, partner, dmask, eps, HD, HAS_QK_NORM)
+        tl.store(base + d, r.to(qkv_ptr.dtype.element_ty), mask=dmask)
     else:
+        r = _rotate(x, xp, sign, cs, sn, k_norm_ptr, d, partner, dmask, eps, HD, HAS_QK_NORM)
         kvh = head - NUM_HEADS
         page = tl.load(tables_ptr + row * table_stride + pos // PAGE).to(tl.int64)
-        dst = (page * PAGE + pos % PAGE) * (NUM_KV * HD) + kvh * HD
-        tl.store(k_pool_ptr + dst + ia, ra.to(k_pool_ptr.dtype.element_ty), mask=mask)
-        tl.store(k_pool_ptr + dst + ib, rb.to(k_pool_ptr.dtype.element_ty), mask=mask)
-        v_src = qkv_ptr + row * qkv_stride + (NUM_HEADS + NUM_KV + kvh) * HD
-        v_a = tl.load(v_src + ia, mask=mask, other=0.0)
-        v_b = tl.load(v_src + ib, mask=mask, other=0.0)
-        tl.store(v_pool_ptr + dst + ia, v_a.to(v_pool_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_pool_ptr + dst + ib, v_b.to(v_pool_ptr.dtype.element_ty), mask=mask)
+        dst = (page * PAGE + pos % PAGE) * (NUM_KV * HD) + kvh * HD + d
+        tl.store(k_pool_ptr + dst, r.to(k_pool_ptr.dtype.element_ty), mask=dmask)
+        v = tl.load(qkv_ptr + row * qkv_stride + (NUM_HEADS + NUM_KV + kvh) * HD + d,
+                    mask=dmask, other=0.0)
+        tl.store(v_pool_ptr + dst, v.to(v_pool_ptr.dtype.element_ty), mask=dmask)
 
 
 @triton.jit
