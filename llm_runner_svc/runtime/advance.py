@@ -90,10 +90,8 @@ class SequenceAdvance:
         self._accept(seq, token, ev)
 
     def _decode(self, batch: list[SequenceState], events: dict[str, StepEvent]) -> None:
-        ps = self.config.page_size
-        for seq in batch:
-            if seq.next_position // ps >= len(seq.pages):
-                seq.pages.extend(self.pages.allocate(1))
+        for seq in self._short_of_pages(batch, 0):
+            seq.pages.extend(self.pages.allocate(1))
         rows = [DecodeRow(s.last_token, s.next_position, s.pages, s.req.capture_hidden)
                 for s in batch]
         try:
@@ -135,18 +133,22 @@ class SequenceAdvance:
         be running; None otherwise."""
         if not self.engine.supports_chaining:
             return None
-        ps = self.config.page_size
         for seq in batch:
             if (seq.req.capture_hidden or seq.next_position + 1 >= self.max_seq
                     or len(seq.output_ids) + 1 >= seq.req.sampling.max_new_tokens):
                 return None
-        short = [s for s in batch if (s.next_position + 1) // ps >= len(s.pages)]
+        short = self._short_of_pages(batch, 1)
         if not self.pages.can_allocate(len(short)):
             return None
         for seq in short:
             seq.pages.extend(self.pages.allocate(1))
         self.engine.decode([DecodeRow(CHAINED, s.next_position + 1, s.pages) for s in batch])
         return _Ahead(list(batch), self.engine.start_sample([self._spec(s, 1) for s in batch]))
+
+    def _short_of_pages(self, batch: list[SequenceState], ahead: int) -> list[SequenceState]:
+        """The requests whose pages end before position next_position + `ahead`."""
+        ps = self.config.page_size
+        return [s for s in batch if (s.next_position + ahead) // ps >= len(s.pages)]
 
     def _fail_batch(self, batch: list[SequenceState], exc: Exception,
                     events: dict[str, StepEvent]) -> None:
