@@ -259,15 +259,17 @@ class NumpyEngine(Engine):
         if capture and hl == -1:
             rms_norm(x, self._final_norm, c.rms_eps, out=self._cap_state[:n])
 
-    def _kv_in(self, kv: np.ndarray) -> np.ndarray:
-        return round_to_bf16(kv) if self._round_kv else kv
+    def _store_kv(self, layer: int, slots: np.ndarray, kv: np.ndarray) -> None:
+        """Keys and values [n, 2 kv_dim] into `layer`'s pool rows `slots` [n], the one place
+        they enter the pool (rounded to bf16 under kv_dtype "bfloat16")."""
+        self._kv_pool[layer][slots] = round_to_bf16(kv) if self._round_kv else kv
 
     def _attend_prefill(self, layer: int, q: np.ndarray, kv: np.ndarray, table: np.ndarray,
                         pos: np.ndarray) -> None:
         """q [n, q_dim], kv [n, 2 kv_dim] of one request at positions `pos` [n]."""
         c, ps = self.config, self._need_plan().page_size
         n = q.shape[0]
-        self._kv_pool[layer][table[pos // ps] * ps + pos % ps] = self._kv_in(kv)
+        self._store_kv(layer, table[pos // ps] * ps + pos % ps, kv)
         end = int(pos[-1]) + 1
         pages = table[:(end - 1) // ps + 1]
         span = pages.shape[0] * ps
@@ -291,7 +293,7 @@ class NumpyEngine(Engine):
         """q [b, q_dim], kv [b, 2 kv_dim], one position per row written at pool rows `slots`."""
         c = self.config
         b = q.shape[0]
-        self._kv_pool[layer][slots] = self._kv_in(kv)
+        self._store_kv(layer, slots, kv)
         span = gather.shape[0] // b
         g = c.num_heads // c.num_kv_heads
         window = np.take(self._kv_pool[layer], gather, axis=0).reshape(
