@@ -7,23 +7,27 @@ path) and each batch size, the median time of one decode step, measured five way
   - graph: the captured decode step alone (CUDA events around graph replays);
   - in-process: `InferenceRuntime.step()` over the torch engine (what the service drives);
   - grpc: our runner's Stage service on a loopback port, one Step stream with every member;
-  - orchestrator: Orchestrator.Generate in front of that runner, one call per request;
+  - orchestrator: Orchestrator.Generate in its own process (as deployed) in front of that
+    runner, one call per request (`--inline-orchestrator`: on the runner's event loop);
   - hf: Hugging Face `generate` (greedy, its default cache) on the same weights.
 Every request has a `--prompt`-token prompt and generates `--steps` tokens (greedy,
 ignore_eos). Prints one table with ratios and writes every figure as JSON.
 
 Usage: python benchmarks/bench_gpu.py [--shapes qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b]
        [--batches 1,8,32,64] [--prompt 128] [--steps 128] [--hf-steps 32] [--json FILE]
+       [--inline-orchestrator]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import torch
@@ -109,27 +113,38 @@ def graph_step_ms(engine: TorchEngine, batch: int) -> float:
 
 
 async def served(engine: TorchEngine, model, rt_config: RuntimeConfig, batches: list[int],
-                 prompts: dict[int, list[list[int]]], steps: int) -> dict[int, dict]:
-    """The runner's Stage service and the orchestrator on loopback ports, in this process; each
-    client in a child process."""
+                 prompts: dict[int, list[list[int]]], steps: int,
+                 inline_orchestrator: bool = False) -> dict[int, dict]:
+    """The runner's Stage service on a loopback port in this process and the orchestrator in
+    front of it in its own process, as deployed (`inline_orchestrator`: in this process, on
+    the runner's event loop); each client in a child process."""
     config = StageConfig(stage_id="backbone", engine="torch", max_batch=rt_config.max_batch,
                          max_seq=rt_config.max_seq)
     rt = InferenceRuntime(engine, model.tokenizer, rt_config)
     out: dict[int, dict] = {}
-    async with gpu_paths.stage_server(config, model, rt) as target:
-        orch_handle, orch = await create_orchestrator_server(single_stage([target]),
-                                                             ServerOptions(port=0))
-        try:
-            for b in batches:
-                direct = await gpu_paths.client_process("grpc_direct", target, prompts[b],
-                                                        steps)
-                via = await gpu_paths.client_process(
-                    "grpc_orchestrator", f"127.0.0.1:{orch_handle.port}", prompts[b], steps)
-                out[b] = {"grpc_ms": 1000 * direct, "orchestrator_ms": 1000 * via}
-        finally:
-            await orch_handle.server.stop(0)
-            await orch.close()
+    async with gpu_paths.stage_server(config, model, rt) as target, \
+            orchestrator(target, inline_orchestrator) as orch_target:
+        for b in batches:
+            direct = await gpu_paths.client_process("grpc_direct", target, prompts[b], steps)
+            via = await gpu_paths.client_process("grpc_orchestrator", orch_target, prompts[b],
+                                                 steps)
+            out[b] = {"grpc_ms": 1000 * direct, "orchestrator_ms": 1000 * via}
     return out
+
+
+@contextlib.asynccontextmanager
+async def orchestrator(stage_target: str, inline: bool) -> AsyncIterator[str]:
+    if not inline:
+        async with gpu_paths.orchestrator_process(stage_target) as target:
+            yield target
+        return
+    handle, orch = await create_orchestrator_server(single_stage([stage_target]),
+                                                    ServerOptions(port=0))
+    try:
+        yield f"127.0.0.1:{handle.port}"
+    finally:
+        await handle.server.stop(0)
+        await orch.close()
 
 
 def bench_shape(name: str, args: argparse.Namespace, bandwidth: float) -> list[dict]:
@@ -153,7 +168,8 @@ def bench_shape(name: str, args: argparse.Namespace, bandwidth: float) -> list[d
         rows.append({"shape": name, "batch": b, "floor_ms": floor_ms,
                      "graph_ms": graph_step_ms(engine, b),
                      "in_process_ms": 1000 * step})
-    served_ms = asyncio.run(served(engine, model, rt_config, args.batches, prompts, args.steps))
+    served_ms = asyncio.run(served(engine, model, rt_config, args.batches, prompts, args.steps,
+                                   args.inline_orchestrator))
     for r in rows:
         r.update(served_ms[r["batch"]])
         with torch.no_grad():
@@ -173,6 +189,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--hf-steps", type=int, default=32)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--inline-orchestrator", action="store_true",
+                    help="run the orchestrator on the runner's event loop, not in its own "
+                         "process")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     gpu = torch.cuda.get_device_name()

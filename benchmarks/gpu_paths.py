@@ -14,10 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 
 import grpc
 import torch
@@ -79,6 +82,32 @@ async def stage_server(config: StageConfig, model: Model, rt: InferenceRuntime
         yield f"127.0.0.1:{handle.port}"
     finally:
         await stop_stage_server(handle, stage)
+
+
+@contextlib.asynccontextmanager
+async def orchestrator_process(stage_target: str) -> AsyncIterator[str]:
+    """`python -m services.orchestrator` in its own process, as deployed, over the one stage
+    at `stage_target`; yields its address and stops it on the way out."""
+    with tempfile.TemporaryDirectory() as tmp:
+        topology = Path(tmp) / "topology.json"
+        topology.write_text(json.dumps({
+            "stages": [{"id": "backbone", "runner": "llm.backbone", "endpoints": [stage_target],
+                        "emits": ["text", "tokens"], "inputs": ["request:prompt"]}],
+            "sinks": ["backbone:text"], "defaultSinks": ["backbone:text"]}))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.orchestrator", "--topology", str(topology),
+            "--port", "0", stdout=asyncio.subprocess.PIPE)
+        try:
+            assert proc.stdout is not None
+            line = (await proc.stdout.readline()).decode()
+            found = re.search(r"listening on (\S+:\d+)", line)
+            if found is None:
+                raise RuntimeError(f"the orchestrator did not start: {line!r}")
+            yield found.group(1)
+        finally:
+            if proc.returncode is None:
+                proc.terminate()
+            await proc.wait()
 
 
 def in_process(rt: InferenceRuntime, prompts: list[list[int]], steps: int) -> float:
