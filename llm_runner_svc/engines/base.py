@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llm_runner_svc.errors import FailedPrecondition, InvalidArgument
@@ -44,10 +44,11 @@ class SampleSpec:
     top_p: float
     uniform: float = 0.0
     logit_bias: Mapping[int, float] | None = None
+    is_greedy: bool = field(init=False, repr=False, compare=False)  # read on every step
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_greedy",
+                           self.temperature < GREEDY_TEMPERATURE or self.top_k == 1)
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,7 @@ class Llama2cTokenizer(Tokenizer):
             raise ModelFormatError(
                 f"{path}: truncated tokenizer after {len(pieces)} of {vocab_size} pieces") from exc
         self.pieces = pieces
+        self._bytes = [self._piece_bytes(p) for p in pieces]
         self.scores = scores
         self.lookup = {p: i for i, p in enumerate(pieces)}
         self.vocab_size = vocab_size
@@ -132,8 +133,9 @@ class Llama2cTokenizer(Tokenizer):
             toks[best_i:best_i + 2] = [best_id]
         return ids + toks
 
-    def _piece_bytes(self, tid: int) -> bytes:
-        piece = self.pieces[tid]
+    @staticmethod
+    def _piece_bytes(piece: bytes) -> bytes:
+        """The bytes a piece stands for (`<0xXX>` is one byte)."""
         if len(piece) == 6 and piece.startswith(b"<0x") and piece.endswith(b">"):
             try:
                 return bytes([int(piece[3:5], 16)])
@@ -144,15 +146,17 @@ class Llama2cTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], after_bos: bool = False) -> str:
         out = bytearray()
         prev_bos = after_bos
+        table = self._bytes  # streaming decodes a token or two per call: lookups only
         for tid in ids:
             if tid == BOS_ID:
                 prev_bos = True
                 continue
             if not 0 <= tid < self.vocab_size:
                 raise ModelFormatError(f"token id {tid} is outside the vocabulary")
-            piece = self._piece_bytes(tid)
-            if prev_bos and piece.startswith(b" "):
-                piece = piece[1:]
-            prev_bos = False
+            piece = table[tid]
+            if prev_bos:
+                if piece.startswith(b" "):
+                    piece = piece[1:]
+                prev_bos = False
             out += piece
         return out.decode("utf-8", errors="replace")

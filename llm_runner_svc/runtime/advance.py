@@ -60,11 +60,17 @@ class SequenceAdvance:
         return ev
 
     def _spec(self, seq: SequenceState, ahead: int = 0) -> SampleSpec:
-        """How to pick `seq`'s next token (`ahead` 1: the one after it)."""
+        """How to pick `seq`'s next token (`ahead` 1: the one after it). A greedy pick uses
+        no draw, so a greedy request's spec is the same every step: built once."""
+        if seq.greedy_spec is not None:
+            return seq.greedy_spec
         sp = seq.req.sampling
-        return SampleSpec(sp.temperature, sp.top_k, sp.top_p,
+        spec = SampleSpec(sp.temperature, sp.top_k, sp.top_p,
                           uniform_draw(sp.seed, len(seq.output_ids) + ahead),
                           sp.logit_bias or None)
+        if spec.is_greedy:
+            seq.greedy_spec = spec
+        return spec
 
     def _prefill(self, seq: SequenceState, ev: StepEvent) -> None:
         t0 = time.perf_counter()

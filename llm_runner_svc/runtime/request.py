@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from llm_runner_svc.engines.base import HiddenStates
+from llm_runner_svc.engines.base import HiddenStates, SampleSpec
 from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.models.tokenizer import StreamDecoder
 from llm_runner_svc.runtime.sampling import SamplingParams
@@ -97,6 +97,7 @@ class SequenceState:
         self.metrics = RequestMetrics(prompt_tokens=len(req.prompt_ids))
         self.t_submit = time.perf_counter()
         self.t_first_token = 0.0
+        self.greedy_spec: SampleSpec | None = None  # set by the first greedy pick
 
     def latch(self, reason: FinishReason, error: str | None = None) -> bool:
         """Record why the request ends; only the first reason sticks."""
