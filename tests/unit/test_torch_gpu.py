@@ -125,8 +125,7 @@ def _prefilled_at_once(model, seq: list[int], **opts) -> np.ndarray:
     return np.asarray(states, np.float32)
 
 
-def _from_the_same_cache(model, same, prompt: list[int], follow: list[int], chunk: int = 8,
-                         device: str = "cuda"):
+def _from_the_same_cache(model, same, prompt: list[int], follow: list[int], chunk: int = 8):
     """Teacher-forced like `_teacher_forced`, the prompt prefilled `chunk` tokens at a time,
     each call made by the GPU (bf16) first and then by the numpy engine (`same` weights) on
     the GPU's KV pool: copied into numpy's (bf16 values, exact in float32) with this call's
@@ -134,7 +133,7 @@ def _from_the_same_cache(model, same, prompt: list[int], follow: list[int], chun
     the same cache at every layer, so what is left between them is their float32 arithmetic,
     not where a bf16 store rounds. Returns (GPU, numpy) pairs of [calls, vocab] logits and
     [positions, hidden] states."""
-    gpu = create_engine("torch", model.config, model.weights, device=device,
+    gpu = create_engine("torch", model.config, model.weights, device="cuda",
                         dtype="bfloat16")
     ref = create_engine("numpy", same.config, same.weights)
     ref._store_kv = lambda layer, slots, kv: None  # the GPU's pool holds them already
