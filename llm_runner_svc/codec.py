@@ -110,17 +110,18 @@ def prepared_to_pb(slot: Slot) -> pb.PrepareResponse:
 
 
 def event_to_pb(ev: CohortEvent) -> pb.StepEvent:
-    # Built in place, a running member's fields left at their defaults: this runs for every
-    # member of every step (64 members: 37 against 69 us when each was a keyword message).
+    # Built in place, a running member's end fields left at their defaults: this runs for
+    # every member of every step (64 members: about 40 against 70 us when each member was a
+    # keyword message with every field).
     out = pb.StepEvent(step=ev.step)
     add = out.members.add
     for m in ev.members:
+        member = add(slot_id=m.slot_id, status=pb.MEMBER_STATUS_RUNNING, token_ids=m.token_ids,
+                     text=m.text)
         if m.is_ended:
-            add(slot_id=m.slot_id, status=pb.MEMBER_STATUS_ENDED, token_ids=m.token_ids,
-                text=m.text, finish_reason=reason_to_pb(m.finish_reason), error=m.error or "")
-        else:
-            add(slot_id=m.slot_id, status=pb.MEMBER_STATUS_RUNNING, token_ids=m.token_ids,
-                text=m.text)
+            member.status = pb.MEMBER_STATUS_ENDED
+            member.finish_reason = reason_to_pb(m.finish_reason)
+            member.error = m.error or ""
     for r in ev.refused:
         out.refused.add(slot_id=r.slot_id, code=r.code, message=r.message)
     return out
