@@ -94,14 +94,31 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+PAGE = 16  # KV page size of the teacher-forced runs
+
+
+def _one_request(eng, n: int, prefill_chunk: int = 256) -> list[int]:
+    """Preallocate `eng` for one request of `n` positions; returns its page table."""
+    table = list(range((n + PAGE - 1) // PAGE))
+    eng.preallocate(EnginePlan(max_batch=1, max_seq=n, page_size=PAGE, num_pages=len(table),
+                               prefill_chunk=prefill_chunk, hidden_layer=-1))
+    return table
+
+
+def _clear_leads_agree(got: np.ndarray, want: np.ndarray, margin: float) -> np.ndarray:
+    """Per row of logits: where `want`'s top-1 leads its top-2 by more than `margin`; asserts
+    `got` picks the same token there."""
+    top2 = np.sort(want, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > margin
+    assert (got.argmax(1) == want.argmax(1))[clear].all()
+    return clear
+
+
 def _teacher_forced(model, engine: str, prompt: list[int], follow: list[int], **opts):
     """[len(follow), vocab] logits and [len(prompt) + len(follow) - 1, hidden] states: the
     prompt prefilled, then every token of `follow` but the last decoded one step at a time."""
     eng = create_engine(engine, model.config, model.weights, **opts)
-    n, page = len(prompt) + len(follow), 16
-    table = list(range((n + page - 1) // page))
-    eng.preallocate(EnginePlan(max_batch=1, max_seq=n, page_size=page, num_pages=len(table),
-                               hidden_layer=-1))
+    table = _one_request(eng, len(prompt) + len(follow))
     states = [eng.prefill(prompt, 0, table, capture_hidden=True).states]
     logits = [eng.logits(1)[0].copy()]
     for i, tok in enumerate(follow[:-1]):
@@ -116,10 +133,7 @@ def _prefilled_at_once(model, seq: list[int], **opts) -> np.ndarray:
     """States of `seq` but its last token, prefilled in one call on the numpy engine: the
     same float32 arithmetic as `_teacher_forced` summed in another order."""
     eng = create_engine("numpy", model.config, model.weights, **opts)
-    n, page = len(seq), 16
-    table = list(range((n + page - 1) // page))
-    eng.preallocate(EnginePlan(max_batch=1, max_seq=n, page_size=page, num_pages=len(table),
-                               prefill_chunk=n, hidden_layer=-1))
+    table = _one_request(eng, len(seq), prefill_chunk=len(seq))
     states = eng.prefill(seq[:-1], 0, table, capture_hidden=True).states
     eng.close()
     return np.asarray(states, np.float32)
@@ -137,12 +151,10 @@ def _from_the_same_cache(model, same, prompt: list[int], follow: list[int], chun
                         dtype="bfloat16")
     ref = create_engine("numpy", same.config, same.weights)
     ref._store_kv = lambda layer, slots, kv: None  # the GPU's pool holds them already
-    n, page, kv = len(prompt) + len(follow), 16, model.config.kv_dim
-    table = list(range((n + page - 1) // page))
-    rows = len(table) * page
-    for eng in (gpu, ref):
-        eng.preallocate(EnginePlan(max_batch=1, max_seq=n, page_size=page,
-                                   num_pages=len(table), prefill_chunk=chunk, hidden_layer=-1))
+    n, kv = len(prompt) + len(follow), model.config.kv_dim
+    table = _one_request(gpu, n, prefill_chunk=chunk)
+    _one_request(ref, n, prefill_chunk=chunk)
+    rows = len(table) * PAGE
     calls = [(prompt[lo:lo + chunk], lo) for lo in range(0, len(prompt), chunk)]
     calls += [([tok], len(prompt) + i) for i, tok in enumerate(follow[:-1])]
     out: tuple[list, list, list, list] = ([], [], [], [])
@@ -202,10 +214,8 @@ def _check(model, prompt: list[int], max_new: int, dtype: str, **cfg) -> list[in
           f"{_fmt(steps)}; teacher-forced end to end {_fmt(ends)}, the reference's own "
           f"spread {_fmt(own)}; argmax equal {_agree(s_logits, s_ref_logits)} and "
           f"{_agree(logits, ref_logits)}; vs the float32 checkpoint {_fmt(moved)}")
-    for got, want in ((s_logits, s_ref_logits), (logits, ref_logits)):
-        top2 = np.sort(want, axis=1)[:, -2:]
-        clear = top2[:, 1] - top2[:, 0] > BF16_MARGIN
-        assert (got.argmax(1) == want.argmax(1))[clear].all()
+    _clear_leads_agree(s_logits, s_ref_logits, BF16_MARGIN)
+    _clear_leads_agree(logits, ref_logits, BF16_MARGIN)
     assert all(a < b for a, b in zip(steps, BF16_SAME_CACHE, strict=True))
     assert all(a < b for a, b in zip(ends, BF16_END_TO_END, strict=True))
     return ref_tokens
@@ -278,12 +288,10 @@ def test_cublas_products_against_the_same_weights(stories):
     follow, _, _ = _run(same, [1], 120, engine="numpy", max_batch=1, max_seq=256)
     ref_logits, ref_h = _teacher_forced(same, "numpy", [1], follow, kv_dtype="bfloat16")
     logits, h = _teacher_forced(stories, "torch", [1], follow, device="cuda", fused_rows=0)
-    top2 = np.sort(ref_logits, axis=1)[:, -2:]
-    clear = top2[:, 1] - top2[:, 0] > 0.5
     _, median, worst = _spread(h, ref_h)
-    print(f"cuBLAS products: clear leads {clear.sum()}/{len(clear)}; states rel max "
-          f"{worst:.1e} median {median:.1e}")
-    assert (logits.argmax(1) == ref_logits.argmax(1))[clear].all()
+    print(f"cuBLAS products: states rel max {worst:.1e} median {median:.1e}")
+    clear = _clear_leads_agree(logits, ref_logits, 0.5)
+    print(f"cuBLAS products: clear leads {clear.sum()}/{len(clear)}")
     assert worst < BF16_CUBLAS_REL
 
 
