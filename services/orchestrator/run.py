@@ -50,7 +50,7 @@ class Placement:
     slot_id: int
     ports: tuple[str, ...] = ()  # ports this stage must produce for the route
     inputs: tuple[tuple[str, str], ...] = ()  # (input "stage:port", upstream stage id)
-    is_admitted: bool = False
+    admit_call: asyncio.Task[Any] | None = None  # Admit, once sent; outlives a cancel
     has_joined: bool = False
     is_ended: bool = False
     is_released: bool = False
@@ -83,14 +83,21 @@ class RequestRun:
             request.CopyFrom(self.request)
             request.ClearField("ports")
             request.ports.extend(p.ports)
-            ans = await self._call(p, p.replica.stub.Admit, pb.AdmitRequest(
-                slot_id=p.slot_id, request=request, traceparent=traceparent(self.trace_ctx)))
+            # Admit runs as its own task with its own timeout: a cancel or deadline that lands
+            # while it is in flight stops the wait, not the call, so cleanup learns whether
+            # the stage admitted the slot and frees it.
+            p.admit_call = asyncio.get_running_loop().create_task(self._call(
+                p, p.replica.stub.Admit, pb.AdmitRequest(
+                    slot_id=p.slot_id, request=request,
+                    traceparent=traceparent(self.trace_ctx)), CONTROL_TIMEOUT_S))
+            ans = await self._await_admit(p.admit_call)
             if not ans.admitted:
                 kind = ResourceExhausted if ans.refusal == pb.REFUSAL_NO_CAPACITY \
                     else InvalidArgument
                 raise kind(f"stage {p.stage_id} refused the request "
                            f"({pb.Refusal.Name(ans.refusal)}): {ans.reason}")
-            p.is_admitted = True
+            if self.is_cancelled:
+                return
         for p in self.placements:
             bindings = [pb.InputBinding(input=inp, endpoint=by_stage[up].replica.endpoint,
                                         request_id=self.request_id) for inp, up in p.inputs]
@@ -130,12 +137,17 @@ class RequestRun:
     async def cleanup(self, reason: pb.FinishReason) -> None:
         """Finish (with `reason`) and Reset every slot still held. Never raises."""
         for p in self.placements:
-            if p.is_admitted and not p.is_released:
+            if p.admit_call is not None and not p.is_released:
                 p.is_released = True
                 stub = p.replica.stub
-                await self._quiet(p, stub.Finish,
-                                  pb.FinishRequest(slot_id=p.slot_id, reason=reason), 10.0)
-                await self._quiet(p, stub.Reset, pb.ResetRequest(slot_id=p.slot_id), 5.0)
+                state = await self._admit_outcome(p.admit_call)
+                if state == "admitted":
+                    await self._quiet(p, stub.Finish,
+                                      pb.FinishRequest(slot_id=p.slot_id, reason=reason), 10.0)
+                if state != "refused":
+                    # Reset is idempotent: after an Admit whose answer never came it frees
+                    # the slot if the stage did admit it, and is a no-op otherwise.
+                    await self._quiet(p, stub.Reset, pb.ResetRequest(slot_id=p.slot_id), 5.0)
             p.replica.cohort(self.route.fingerprint).leave(p.slot_id)
 
     def final_cancelled(self) -> opb.GenerateEvent:
@@ -144,6 +156,25 @@ class RequestRun:
             route=list(self.route.stages)))
 
     # ---- internals ---------------------------------------------------------------------
+    async def _await_admit(self, call: asyncio.Task[Any]) -> Any:
+        """Admit's answer within the request's deadline; the call itself is not cancelled."""
+        if self.deadline is None:
+            return await asyncio.shield(call)
+        try:
+            return await asyncio.wait_for(asyncio.shield(call), self._remaining())
+        except TimeoutError:
+            raise DeadlineExceeded(f"request {self.request_id}: deadline exceeded while "
+                                   "admitting") from None
+
+    @staticmethod
+    async def _admit_outcome(call: asyncio.Task[Any]) -> str:
+        """'admitted', 'refused' or 'unknown' (the call failed: the stage may hold a slot)."""
+        try:
+            ans = await call
+        except (Exception, asyncio.CancelledError):
+            return "unknown"
+        return "admitted" if ans.admitted else "refused"
+
     def _remaining(self) -> float:
         if self.deadline is None:
             return CONTROL_TIMEOUT_S
