@@ -274,12 +274,22 @@ class PrepareResponse(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingDefaults, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("join", "credits")
+    __slots__ = ("join", "credits", "member_credits")
     JOIN_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_CREDITS_FIELD_NUMBER: _ClassVar[int]
     join: _containers.RepeatedScalarFieldContainer[int]
     credits: int
-    def __init__(self, join: _Optional[_Iterable[int]] = ..., credits: _Optional[int] = ...) -> None: ...
+    member_credits: _containers.RepeatedCompositeFieldContainer[MemberCredit]
+    def __init__(self, join: _Optional[_Iterable[int]] = ..., credits: _Optional[int] = ..., member_credits: _Optional[_Iterable[_Union[MemberCredit, _Mapping]]] = ...) -> None: ...
+
+class MemberCredit(_message.Message):
+    __slots__ = ("slot_id", "credits")
+    SLOT_ID_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
+    slot_id: int
+    credits: int
+    def __init__(self, slot_id: _Optional[int] = ..., credits: _Optional[int] = ...) -> None: ...
 
 class MemberUpdate(_message.Message):
     __slots__ = ("slot_id", "status", "token_ids", "text", "finish_reason", "error")
