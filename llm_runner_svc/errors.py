@@ -1,64 +1,36 @@
-"""Typed errors. Each carries the name of the gRPC status code it maps to.
+"""Typed errors of the runner: the shared hierarchy of services/errors.py (grpc-free), under
+the names this package has always used, plus the runner's own ModelFormatError.
 
-The library never imports grpc; the servicer's interceptor turns `code` into a
-`grpc.StatusCode` of the same name. Anything that is not a `RunnerError` is a bug
-and surfaces as INTERNAL.
+`RunnerError` is `ServiceError`: every error raised on purpose carries the name of its gRPC
+status in its class's `code`, which the server's interceptor turns into that status. Anything
+that is not one of these is a bug and surfaces as INTERNAL.
 """
 
 from __future__ import annotations
 
+from services.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    ServiceError,
+    Unavailable,
+    Unimplemented,
+    error_for,
+)
 
-class RunnerError(Exception):
-    """Base of every error this package raises on purpose."""
-
-    code = "UNKNOWN"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-class InvalidArgument(RunnerError):
-    """The request or configuration is malformed (bad value, out of range)."""
-
-    code = "INVALID_ARGUMENT"
-
-
-class NotFound(RunnerError):
-    """A named thing (model path, slot, adapter) does not exist."""
-
-    code = "NOT_FOUND"
-
-
-class FailedPrecondition(RunnerError):
-    """The call is not legal in the current state."""
-
-    code = "FAILED_PRECONDITION"
-
-
-class ResourceExhausted(RunnerError):
-    """A queue, the batch or the KV pool is full."""
-
-    code = "RESOURCE_EXHAUSTED"
-
-
-class Unimplemented(RunnerError):
-    """A feature or format this build cannot honour."""
-
-    code = "UNIMPLEMENTED"
+RunnerError = ServiceError
 
 
 class ModelFormatError(InvalidArgument):
     """A model file exists but is not a valid checkpoint of the format it claims."""
 
 
-class Unavailable(RunnerError):
-    """The service is draining or a dependency is down; retry elsewhere or later."""
-
-    code = "UNAVAILABLE"
-
-
-class Internal(RunnerError):
-    """A bug: an invariant broke. Never raised for bad input."""
-
-    code = "INTERNAL"
+__all__ = [
+    "Cancelled", "DeadlineExceeded", "FailedPrecondition", "Internal", "InvalidArgument",
+    "ModelFormatError", "NotFound", "ResourceExhausted", "RunnerError", "ServiceError",
+    "Unavailable", "Unimplemented", "error_for",
+]

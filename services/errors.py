@@ -1,89 +1,22 @@
-"""One server interceptor that maps typed errors to gRPC status codes.
+"""Typed errors shared by every package; no grpc here.
 
-An exception whose `code` attribute names a `grpc.StatusCode` (e.g. "INVALID_ARGUMENT") ends
-the RPC with that code and its message. Anything else is a bug: logged with its traceback and
-reported as INTERNAL. Services never call `context.abort` for domain errors themselves.
+Each class names, in its class attribute `code`, the gRPC status it maps to (e.g.
+"INVALID_ARGUMENT"); `services.interceptor` turns a raised `ServiceError` into that status with
+its message. Anything that is not a `ServiceError` is a bug and surfaces as INTERNAL. `code`
+belongs to the class: an error of another status is another class (`error_for` picks it from a
+status name), never an instance whose `code` was rewritten.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
-
-import grpc
-
-log = logging.getLogger(__name__)
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    code = getattr(exc, "code", None)
-    if isinstance(code, str) and code in grpc.StatusCode.__members__:
-        return grpc.StatusCode[code], getattr(exc, "message", str(exc))
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
-
-
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
-    code, message = status_for(exc)
-    if code is grpc.StatusCode.INTERNAL:
-        log.error("%s failed", method, exc_info=exc)
-    await context.abort(code, message)
-
-
-def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
-    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await fn(request, context)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await _abort(context, exc, method)
-    return handler
-
-
-def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], method: str
-                 ) -> Callable[..., AsyncIterator[Any]]:
-    async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        try:
-            async for item in fn(request, context):
-                yield item
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await _abort(context, exc, method)
-    return handler
-
-
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every handler of the server (unary or streaming responses)."""
-
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-        details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        method = details.method
-        ser = {"request_deserializer": handler.request_deserializer,
-               "response_serializer": handler.response_serializer}
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method), **ser)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method), **ser)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method), **ser)
-        return grpc.stream_stream_rpc_method_handler(
-            _wrap_stream(handler.stream_stream, method), **ser)
+from typing import ClassVar
 
 
 class ServiceError(Exception):
-    """Base of the errors services raise on purpose; `code` names the gRPC status."""
+    """Base of every error raised on purpose. As itself: a failure whose status no subclass
+    names (UNKNOWN)."""
 
-    code = "UNKNOWN"
+    code: ClassVar[str] = "UNKNOWN"
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -91,28 +24,69 @@ class ServiceError(Exception):
 
 
 class InvalidArgument(ServiceError):
+    """The request or configuration is malformed (bad value, out of range)."""
+
     code = "INVALID_ARGUMENT"
 
 
 class NotFound(ServiceError):
+    """A named thing (model path, slot, adapter, request) does not exist."""
+
     code = "NOT_FOUND"
 
 
 class FailedPrecondition(ServiceError):
+    """The call is not legal in the current state."""
+
     code = "FAILED_PRECONDITION"
 
 
 class ResourceExhausted(ServiceError):
+    """A queue, the batch or the KV pool is full."""
+
     code = "RESOURCE_EXHAUSTED"
 
 
+class Unimplemented(ServiceError):
+    """A feature or format this build cannot honour."""
+
+    code = "UNIMPLEMENTED"
+
+
 class Unavailable(ServiceError):
+    """The service is draining or a dependency is down; retry elsewhere or later."""
+
     code = "UNAVAILABLE"
 
 
 class DeadlineExceeded(ServiceError):
+    """The caller's deadline passed before the work was done."""
+
     code = "DEADLINE_EXCEEDED"
 
 
 class Cancelled(ServiceError):
+    """The caller (or a peer on its behalf) cancelled the work."""
+
     code = "CANCELLED"
+
+
+class Internal(ServiceError):
+    """A bug: an invariant broke. Never raised for bad input."""
+
+    code = "INTERNAL"
+
+
+_BY_CODE: dict[str, type[ServiceError]] = {cls.code: cls for cls in (
+    InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Unimplemented,
+    Unavailable, DeadlineExceeded, Cancelled, Internal)}
+
+
+def error_for(code: str, message: str) -> ServiceError:
+    """The error of the class that names status `code` (a gRPC status name such as
+    "NOT_FOUND"); a status no class names gives a plain ServiceError (UNKNOWN) whose message
+    starts with that name."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        return ServiceError(f"{code}: {message}")
+    return cls(message)

@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.errors import ErrorInterceptor
+from services.interceptor import ErrorInterceptor
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import grpc
 
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.contract.llmstage.v1 import stage_pb2_grpc
-from services.errors import FailedPrecondition, NotFound, ServiceError, Unavailable
+from services.errors import ServiceError, Unavailable, error_for
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +84,8 @@ class CohortStream:
                 for r in ev.refused:
                     sink = self._members.pop(r.slot_id, None)
                     if sink is not None:
-                        kind = NotFound if r.code == "NOT_FOUND" else FailedPrecondition
-                        sink.put_nowait((self.stage_id, kind(
-                            f"stage {self.stage_id} refused the join: {r.message}")))
+                        sink.put_nowait((self.stage_id, error_for(
+                            r.code, f"stage {self.stage_id} refused the join: {r.message}")))
         except grpc.aio.AioRpcError as exc:
             error = exc
         except asyncio.CancelledError:

@@ -28,6 +28,7 @@ from services.errors import (
     ResourceExhausted,
     ServiceError,
     Unavailable,
+    error_for,
 )
 from services.orchestrator.cohorts import Item
 from services.orchestrator.replicas import Replica
@@ -238,9 +239,7 @@ class RequestRun:
                 p.replica.mark_down(exc.details() or "unavailable")
                 raise Unavailable(f"stage {p.stage_id} replica {p.replica.endpoint} is "
                                   f"unavailable: {exc.details()}") from None
-            err = ServiceError(f"stage {p.stage_id}: {exc.details()}")
-            err.code = code.name
-            raise err from None
+            raise error_for(code.name, f"stage {p.stage_id}: {exc.details()}") from None
         finally:
             span.end()
 
