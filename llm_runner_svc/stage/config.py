@@ -7,13 +7,13 @@
 
 `artifact` is a model path (relative to the file) or a built-in name ("stories260K",
 "smollm2"); `config.checkpoint` is taken relative to it. Unknown keys, bad values, and keys this
-build cannot honour yet fail at load, naming the key and the rule.
+build cannot honour yet fail at load, naming the key and the rule; the LlmRunner keys under
+`config`, down to every sub-key, are checked by the table in `runner_keys`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from llm_runner_svc.engines import engine_names
-from llm_runner_svc.errors import InvalidArgument, NotFound, RunnerError, Unimplemented
+from llm_runner_svc.errors import NotFound, RunnerError, Unimplemented
 from llm_runner_svc.export.sidecar import is_build_dir, load_sidecar
 from llm_runner_svc.runtime.sampling import SamplingDefaults
+from llm_runner_svc.stage.runner_keys import ConfigError, check_runner_keys
 
 RUNNER = "llm.backbone"
 _BUILTIN = ("stories260K", "smollm2")
@@ -32,19 +33,7 @@ _STAGE_KEYS = {"id", "runner", "artifact", "engine", "emits", "inputs", "maxBatc
 _PORT_KEYS = {"policy", "buffer", "shmRingBytes"}
 _INPUTS = ("request:text", "request:messages", "request:token_ids")
 _EMITS = ("text", "tokens", "hidden")
-# Seed keys this build cannot honour: present means refused, except the harmless "off" values.
-_NOT_YET = {
-    "multimodal_artifact": "no perception engine in this build",
-    "draft_checkpoint": "speculative decoding is not in this build",
-    "spec_decode": "speculative decoding is not in this build",
-    "visual_pruning": "no perception engine in this build",
-    "ple": "per-layer embeddings are not in this build",
-}
 _GRAPH_PLAN_ENGINE = "tensorrt"  # the engine that serves build-engine directories and caches
-
-
-class ConfigError(InvalidArgument):
-    """The deployment file breaks a rule."""
 
 
 @dataclass(frozen=True)
@@ -174,47 +163,20 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
 
 
 def _parse_runner_keys(cfg: Mapping[str, Any]) -> tuple[int, SamplingDefaults, str]:
-    known = {"checkpoint", "accept_hidden_layer", "max_generate_length", "temperature", "top_p",
-             "top_k", "lora_adapters", "context_cache", "offload_embedding", "runtime_cache",
-             *_NOT_YET}
-    for key in cfg:
-        if key not in known:
-            raise ConfigError(f"config.{key}: unknown LlmRunner key (valid: {sorted(known)})")
-        if key in _NOT_YET:
-            raise Unimplemented(f"config.{key}: cannot be honoured: {_NOT_YET[key]}")
-    if cfg.get("lora_adapters"):
-        raise Unimplemented("config.lora_adapters: cannot be honoured: LoRA is not in this "
-                            "build (an empty object is accepted)")
-    cache = cfg.get("context_cache", {})
-    if not isinstance(cache, dict) or cache.get("enable_reuse"):
-        raise Unimplemented("config.context_cache: cannot be honoured: prefix reuse is not in "
-                            "this build (enable_reuse must be false)")
-    if cfg.get("offload_embedding", False) is not False:
-        raise Unimplemented("config.offload_embedding: cannot be honoured: only false is "
-                            "supported")
-    layer = _typed(cfg, "accept_hidden_layer", int, -1, prefix="config.")
-    if layer == 0 or layer < -1:
-        raise ConfigError(f"config.accept_hidden_layer: must be -1 (post-norm output) or k >= 1 "
-                          f"(output of decoder layer k-1), got {layer}")
+    check_runner_keys(cfg)
     d = SamplingDefaults()
-    temperature = _number(cfg, "temperature", d.temperature)
-    top_p = _number(cfg, "top_p", d.top_p)
-    try:
-        sampling = SamplingDefaults(
-            max_generate_length=_typed(cfg, "max_generate_length", int, d.max_generate_length,
-                                       prefix="config."),
-            temperature=temperature, top_p=top_p,
-            top_k=_typed(cfg, "top_k", int, d.top_k, prefix="config."))
-    except InvalidArgument as exc:
-        raise ConfigError(exc.message.replace("config: ", "config.")) from exc
-    return layer, sampling, _typed(cfg, "checkpoint", str, "", prefix="config.")
+    sampling = SamplingDefaults(
+        max_generate_length=cfg.get("max_generate_length", d.max_generate_length),
+        temperature=float(cfg.get("temperature", d.temperature)),
+        top_p=float(cfg.get("top_p", d.top_p)), top_k=cfg.get("top_k", d.top_k))
+    return cfg.get("accept_hidden_layer", -1), sampling, cfg.get("checkpoint", "")
 
 
 def _graph_plan_keys(artifact: str, engine: str, cfg: Mapping[str, Any]) -> tuple[str, str]:
     """A build-engine directory as `artifact`, and `runtime_cache` (relative to it): only the
     tensorrt engine reads them."""
     engine_dir = artifact if artifact not in _BUILTIN and is_build_dir(artifact) else ""
-    cache = _typed(cfg, "runtime_cache", str, "", prefix="config.")
+    cache: str = cfg.get("runtime_cache", "")
     if (engine_dir or cache) and engine != _GRAPH_PLAN_ENGINE:
         what = "config.runtime_cache" if cache else "artifact (a build-engine directory)"
         raise Unimplemented(f"{what}: cannot be honoured: only the {_GRAPH_PLAN_ENGINE!r} "
@@ -232,17 +194,6 @@ def _typed(raw: Mapping[str, Any], key: str, kind: type, default: Any, prefix: s
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ConfigError(f"{prefix}{key}: must be a {kind.__name__}, got {value!r}")
     return value
-
-
-def _number(raw: Mapping[str, Any], key: str, default: float) -> float:
-    value = raw.get(key, default)
-    try:
-        number = float(value)
-    except (TypeError, ValueError, OverflowError):
-        number = math.nan
-    if isinstance(value, bool | str) or not math.isfinite(number):
-        raise ConfigError(f"config.{key}: must be a finite number, got {str(value)[:40]}")
-    return number
 
 
 def _str_list(raw: Mapping[str, Any], key: str, default: list[str],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -115,9 +116,12 @@ def test_unknown_engine_lists_the_valid_ones(tmp_path):
 
 
 @pytest.mark.parametrize("key, value", [
-    ("spec_decode", True), ("draft_checkpoint", "d.gguf"), ("multimodal_artifact", "v"),
-    ("visual_pruning", 0.5), ("ple", True), ("runtime_cache", "c"),
-    ("lora_adapters", {"a": "x"}), ("context_cache", {"enable_reuse": True}),
+    ("spec_decode", {}), ("spec_decode", {"draft_top_k": 4, "dspark_scheduler": "sps"}),
+    ("draft_checkpoint", "d.gguf"), ("multimodal_artifact", "v"),
+    ("visual_pruning", {"algorithm": "dart", "reduction_ratio": 0.25}),
+    ("ple", {"file": "ple.bin", "residency": "host", "cache_slots": 64}),
+    ("runtime_cache", "c"), ("lora_adapters", {"a": "x"}),
+    ("context_cache", {"enable_reuse": True, "max_records": 1024}),
     ("offload_embedding", True),
 ])
 def test_keys_this_build_cannot_honour_are_unimplemented(tmp_path, key, value):
@@ -127,8 +131,9 @@ def test_keys_this_build_cannot_honour_are_unimplemented(tmp_path, key, value):
 
 
 def test_off_values_of_unhonoured_keys_are_accepted(tmp_path):
-    stage = _with_config(lora_adapters={}, context_cache={"enable_reuse": False},
-                         offload_embedding=False)
+    stage = _with_config(lora_adapters={}, offload_embedding=False, context_cache={
+        "enable_reuse": False, "max_records": 0, "max_snapshots": 2,
+        "encoder_cache_budget_bytes": 1 << 28})
     assert load_stage_config(_write(tmp_path, {"stages": [stage]})).stage_id == "thinker"
 
 
@@ -153,3 +158,97 @@ def test_defaults_and_hidden_port():
     assert cfg.emits == ("text", "tokens")
     assert cfg.has_hidden_port is False
     assert StageConfig(emits=("text", "hidden")).has_hidden_port is True
+
+
+# Nested LlmRunner keys: each kind of rule, with the full key path and the offending value.
+@pytest.mark.parametrize("cfg, message", [
+    ({"context_cache": {"max_records": "abc"}},  # type
+     "config.context_cache.max_records: must be an integer >= 0, got 'abc'"),
+    ({"context_cache": {"enable_reuse": 0}}, "config.context_cache.enable_reuse: must be true "
+                                             "or false, got 0"),
+    ({"spec_decode": {"draft_step": True}}, "config.spec_decode.draft_step: must be an integer "
+                                            ">= 1, got True"),
+    ({"ple": {"file": ""}}, "config.ple.file: must be a non-empty string, got ''"),
+    ({"context_cache": {"max_snapshots": -1}},  # range
+     "config.context_cache.max_snapshots: must be an integer >= 0, got -1"),
+    ({"spec_decode": {"dspark_confidence_threshold": 1.5}},
+     "config.spec_decode.dspark_confidence_threshold: must be a number in [0, 1], got 1.5"),
+    ({"visual_pruning": {"reduction_ratio": 1}},
+     "config.visual_pruning.reduction_ratio: must be a number in (0, 1), got 1"),
+    ({"spec_decode": {"dspark_scheduler": "fast"}},  # one of a set
+     "config.spec_decode.dspark_scheduler: must be one of ['off', 'threshold', 'sps'], "
+     "got 'fast'"),
+    ({"ple": {"residency": "disk"}}, "config.ple.residency: must be one of ['device', 'host']"),
+    ({"lora_adapters": {"a": 3}}, "config.lora_adapters.a: must be a non-empty string, got 3"),
+    ({"top_k": 2.5}, "config.top_k: must be an integer >= 0, got 2.5"),
+    ({"temperature": "hot"}, "config.temperature: must be a number >= 0, got 'hot'"),
+    ({"top_p": 0}, "config.top_p: must be a number in (0, 1], got 0"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_nested_value_breaking_its_rule_names_the_path(tmp_path, cfg, message):
+    exc = _raises(tmp_path, _with_config(**cfg))
+    assert isinstance(exc, ConfigError)
+    assert message in exc.message
+    assert exc.message.startswith(f"{tmp_path / 'stage.json'}: stages[0].config.")
+
+
+@pytest.mark.parametrize("cfg, path", [
+    ({"context_cache": {"enable_reuse": False, "max_records": 8, "bogus": 1}},
+     "config.context_cache.bogus"),
+    ({"spec_decode": {"draft_topk": 4}}, "config.spec_decode.draft_topk"),
+    ({"visual_pruning": {"ratio": 0.5}}, "config.visual_pruning.ratio"),
+    ({"ple": {"slots": 4}}, "config.ple.slots"),
+])
+def test_unknown_sub_keys_are_refused_by_name(tmp_path, cfg, path):
+    exc = _raises(tmp_path, _with_config(**cfg))
+    assert isinstance(exc, ConfigError)
+    assert f"{path}: unknown key (valid: [" in exc.message
+
+
+@pytest.mark.parametrize("key, value, shape", [
+    ("lora_adapters", [], "an object {name: path}"),
+    ("lora_adapters", "a.safetensors", "an object {name: path}"),
+    ("context_cache", True, "an object with keys from ['enable_reuse', "),
+    ("spec_decode", [], "an object with keys from ['draft_step', "),
+    ("visual_pruning", 0.5, "an object with keys from ['algorithm', "),
+    ("ple", "ple.bin", "an object with keys from ['cache_slots', 'file', 'residency']"),
+])
+def test_wrong_container_types_are_refused(tmp_path, key, value, shape):
+    exc = _raises(tmp_path, _with_config(**{key: value}))
+    assert isinstance(exc, ConfigError)
+    assert f"config.{key}: must be {shape}" in exc.message
+
+
+@pytest.mark.parametrize("key, value", [
+    ("spec_decode", {"verify_tokens": 0}), ("lora_adapters", {"a": ""}),
+    ("visual_pruning", {"bogus": 1}), ("ple", {"residency": "gpu"}),
+    ("context_cache", {"enable_reuse": True, "max_records": "abc"}),
+    ("multimodal_artifact", ""), ("draft_checkpoint", 7), ("offload_embedding", "yes"),
+])
+def test_shape_is_checked_before_a_key_is_refused_as_unhonoured(tmp_path, key, value):
+    exc = _raises(tmp_path, _with_config(**{key: value}))
+    assert exc.code == "INVALID_ARGUMENT"
+    assert f"config.{key}" in exc.message
+
+
+def _example_stage_files(tmp_path: Path) -> list[Path]:
+    """Every stage deployment file the repository ships or documents: the JSON files under
+    docker/, services/orchestrator/topologies and tests, and the ```json blocks of README.md."""
+    root = Path(__file__).resolve().parents[2]
+    found = [p for folder in ("docker", "services/orchestrator/topologies", "tests")
+             for p in sorted((root / folder).rglob("*.json"))]
+    blocks = re.findall(r"```json\n(.*?)```", (root / "README.md").read_text(), re.DOTALL)
+    for i, block in enumerate(blocks):
+        found.append(_write(tmp_path, block, f"readme{i}.json"))
+    docs = [(p, json.loads(p.read_text())) for p in found]
+    # A topology names stages by endpoints or launch; a stage file describes the stage itself.
+    return [p for p, doc in docs if isinstance(doc, dict) and "stages" in doc
+            and any(s.get("runner") == "llm.backbone" for s in doc["stages"])
+            and not any({"endpoints", "launch"} & set(s) for s in doc["stages"])]
+
+
+def test_every_example_stage_file_in_the_repository_loads(tmp_path):
+    files = _example_stage_files(tmp_path)
+    names = {p.name for p in files}
+    assert {"thinker.json", "readme0.json"} <= names, names
+    for path in files:
+        assert load_stage_config(path).stage_id, path
