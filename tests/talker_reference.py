@@ -1,4 +1,5 @@
-"""The reference talker's codec in numpy (clients/cpp/talker/codec.h), and its binary.
+"""The reference talker's codec in numpy (clients/cpp/talker/codec.h), its binary, and the
+binary started as a process.
 
     u(k)    = ((splitmix64(0x7A1CE5 + (k + 1) * 0x9E3779B97F4A7C15) >> 11) * 2^-53) * 2 - 1
     P[i][j] = float32(u(i * 2048 + j))                               [hidden, 2048]
@@ -8,6 +9,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import subprocess
 import threading
 from pathlib import Path
@@ -64,3 +66,14 @@ def talker_binary() -> Path:
             subprocess.run(["cmake", "--build", str(BUILD), "-j2"], check=True,
                            stdout=subprocess.DEVNULL)
     return binary
+
+
+def start_talker(port: int = 0) -> tuple[subprocess.Popen, str]:
+    """The talker as a process on `port` (0: picked by the OS): (process, "127.0.0.1:port")."""
+    proc = subprocess.Popen([str(talker_binary()), "--port", str(port), "--stage-id", "talker"],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    match = re.fullmatch(r"talker: listening on (127\.0\.0\.1:\d+)\n", line)
+    assert match, f"talker did not start: {line!r}"
+    return proc, match.group(1)

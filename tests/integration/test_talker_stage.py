@@ -5,9 +5,7 @@ the contract says; SIGTERM exits 0."""
 
 from __future__ import annotations
 
-import re
 import signal
-import subprocess
 import time
 import zlib
 from collections.abc import Iterator
@@ -20,7 +18,7 @@ import pytest
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stage_harness import StepStream
-from talker_reference import codec_frame, talker_binary
+from talker_reference import codec_frame, start_talker
 
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.contract.llmstage.v1 import stage_pb2_grpc, tensor_pb2
@@ -82,15 +80,6 @@ class FakeThinker(stage_pb2_grpc.StageServicer):
                     return
         yield pb.SubscribeEvent(request_id=rid, seq=seq,
                                 end=pb.PortEnd(finish_reason=pb.FINISH_REASON_MAX_LENGTH))
-
-
-def start_talker() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([str(talker_binary()), "--port", "0", "--stage-id", "talker"],
-                            stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    match = re.fullmatch(r"talker: listening on (127\.0\.0\.1:\d+)\n", line)
-    assert match, line
-    return proc, match.group(1)
 
 
 @pytest.fixture(scope="module")

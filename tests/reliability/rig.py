@@ -21,7 +21,7 @@ from accounting import (
 )
 from deployment import StageProc
 from stage_harness import make_request
-from talker_reference import talker_binary
+from talker_reference import start_talker as start_talker  # used by test_faults
 
 from services.contract.llmstage.v1 import orchestrator_pb2_grpc, stage_pb2_grpc
 from services.contract.llmstage.v1 import stage_pb2 as pb
@@ -94,17 +94,6 @@ class Runner(StageProc):
     @property
     def port(self) -> int:
         return int(self.endpoint.rsplit(":", 1)[1])
-
-
-def start_talker(port: int = 0) -> tuple[subprocess.Popen, str]:
-    """The C++ reference talker stage (built by .ci/run, or here on first use)."""
-    proc = subprocess.Popen([str(talker_binary()), "--port", str(port), "--stage-id", "talker"],
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    m = re.fullmatch(r"talker: listening on (127\.0\.0\.1:\d+)\n", line)
-    assert m, f"talker did not start: {line!r}"
-    return proc, m.group(1)
 
 
 class Rig:
