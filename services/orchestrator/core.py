@@ -14,14 +14,21 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from services.contract.llmstage.v1 import orchestrator_pb2 as opb
-from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
+    ServiceError,
     Unavailable,
+)
+from services.orchestrator.codec import (
+    Event,
+    FinalReport,
+    FinishReason,
+    GenerateInput,
+    ReplicaReport,
+    TopologyReport,
 )
 from services.orchestrator.metrics import OrchestratorMetrics
 from services.orchestrator.replicas import StagePool
@@ -55,15 +62,13 @@ class Orchestrator:
             for replica in self.pools[spec.stage_id].replicas:
                 while True:
                     try:
-                        replica.description = await replica.stub.Describe(
-                            pb.DescribeRequest(), timeout=5.0)
+                        desc = await replica.describe(timeout=5.0)
                         break
                     except grpc.aio.AioRpcError as exc:
                         if loop.time() > deadline:
                             raise Unavailable(f"stage {spec.stage_id} replica "
                                               f"{replica.endpoint}: {exc.details()}") from None
                         await asyncio.sleep(0.1)
-                desc = replica.description
                 if desc.runner != spec.runner:
                     raise FailedPrecondition(f"stage {spec.stage_id}: {replica.endpoint} runs "
                                              f"{desc.runner!r}, the topology says {spec.runner!r}")
@@ -79,9 +84,8 @@ class Orchestrator:
             for replica in pool.replicas:
                 await replica.close()
 
-    async def generate(self, gen: opb.GenerateRequest, time_remaining: float | None,
-                       parent: otel_context.Context | None = None
-                       ) -> AsyncIterator[opb.GenerateEvent]:
+    async def generate(self, call: GenerateInput, time_remaining: float | None,
+                       parent: otel_context.Context | None = None) -> AsyncIterator[Event]:
         """One request end to end; `parent` (the caller's trace context) parents its root span."""
         span = _tracer.start_span("llmstage.v1.Orchestrator/Generate", context=parent,
                                   kind=SpanKind.SERVER, attributes={
@@ -91,26 +95,25 @@ class Orchestrator:
         t0 = time.perf_counter()
         is_first, outcome = True, "error"
         try:
-            async for ev in self._generate(gen, time_remaining, span):
-                if is_first and ev.HasField("delta"):
-                    is_first = False
-                    self.metrics.ttft.observe(time.perf_counter() - t0)
-                if ev.HasField("final"):
-                    outcome = pb.FinishReason.Name(ev.final.finish_reason)[14:].lower()
+            async for ev in self._generate(call, time_remaining, span):
+                if isinstance(ev, FinalReport):
+                    outcome = reason = ev.finish_reason.value
                     self.metrics.e2e.observe(time.perf_counter() - t0)
-                    f = ev.final
-                    reason = pb.FinishReason.Name(f.finish_reason)[14:].lower()
                     span.set_attributes({
                         "gen_ai.response.finish_reasons": [reason],
-                        "gen_ai.usage.input_tokens": f.usage.prompt_tokens,
-                        "gen_ai.usage.output_tokens": f.usage.completion_tokens})
+                        "gen_ai.usage.input_tokens": ev.usage.prompt_tokens,
+                        "gen_ai.usage.output_tokens": ev.usage.completion_tokens})
                     span.add_event("finish", {"llmstage.finish_reason": reason})
+                elif is_first:
+                    is_first = False
+                    self.metrics.ttft.observe(time.perf_counter() - t0)
                 yield ev
         except BaseException as exc:
-            code = getattr(exc, "code", None)
-            outcome = code if isinstance(code, str) else "CANCELLED"
-            why = f"{code}: {getattr(exc, 'message', exc)}" if isinstance(code, str) \
-                else type(exc).__name__
+            if isinstance(exc, ServiceError):
+                outcome, why = exc.code, f"{exc.code}: {exc.message}"
+            else:  # the caller went away (the stream is closed), or a bug
+                outcome = "INTERNAL" if isinstance(exc, Exception) else "CANCELLED"
+                why = type(exc).__name__
             span.set_status(Status(StatusCode.ERROR, why))
             span.add_event("finish", {"llmstage.finish_reason": "error", "error": why})
             raise
@@ -118,21 +121,15 @@ class Orchestrator:
             self.metrics.requests.labels(outcome).inc()
             span.end()
 
-    async def _generate(self, gen: opb.GenerateRequest, time_remaining: float | None,
-                        span: trace.Span) -> AsyncIterator[opb.GenerateEvent]:
+    async def _generate(self, call: GenerateInput, time_remaining: float | None,
+                        span: trace.Span) -> AsyncIterator[Event]:
         loop = asyncio.get_running_loop()
         deadline = None if time_remaining is None else loop.time() + time_remaining
-        if not gen.HasField("request"):
-            raise InvalidArgument("GenerateRequest.request is required")
-        request = pb.GenerationRequest()
-        request.CopyFrom(gen.request)
-        request_id = request.request_id or uuid.uuid4().hex
-        request.request_id = request_id
+        request_id = call.request_id or uuid.uuid4().hex
         span.set_attribute("llmstage.request_id", request_id)
         if request_id in self.runs:
             raise InvalidArgument(f"request id {request_id!r} is already running")
-        fields = [request.WhichOneof("prompt") or ""]
-        route = compute_route(self.topology, list(gen.sinks), fields)
+        route = compute_route(self.topology, call.sinks, [call.prompt_field])
         await self._acquire(deadline)
         try:
             placements = []
@@ -141,7 +138,7 @@ class Orchestrator:
                 placements.append(Placement(sid, replica, replica.next_slot_id(),
                                             *self._wiring(sid, route.stages, route.sinks)))
             span.set_attribute("llmstage.route", list(route.stages))
-            run = RequestRun(request_id, request, route, placements, deadline,
+            run = RequestRun(request_id, call.request, route, placements, deadline,
                              trace.set_span_in_context(span))
             for p in placements:
                 p.replica.in_flight += 1
@@ -212,34 +209,28 @@ class Orchestrator:
         self.metrics.queue.observe(time.perf_counter() - t0)
         self.num_running += 1
 
-    async def _drive(self, run: RequestRun) -> AsyncIterator[opb.GenerateEvent]:
+    async def _drive(self, run: RequestRun) -> AsyncIterator[Event]:
         is_complete = False
         try:
             async for ev in run.events():
                 yield ev
-                is_complete = ev.HasField("final")
+                is_complete = isinstance(ev, FinalReport)
         finally:
             if not is_complete:
-                reason = pb.FINISH_REASON_CANCELLED if run.is_cancelled else \
-                    pb.FINISH_REASON_ERROR
+                reason = FinishReason.CANCELLED if run.is_cancelled else FinishReason.ERROR
                 # The client may be gone (this generator is being closed): shield the cleanup.
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.shield(run.cleanup(reason))
         if not is_complete and run.is_cancelled:
             yield run.final_cancelled()
 
-    def topology_pb(self) -> opb.TopologyResponse:
+    def topology_report(self) -> TopologyReport:
         """The topology and the orchestrator's state accounting (with each replica's calls
         in flight)."""
-        t, state = self.topology, self.state()
-        return opb.TopologyResponse(
-            stages=[opb.StageInfo(
-                id=s.stage_id, runner=s.runner, emits=list(s.emits), inputs=list(s.inputs),
-                on_missing=s.on_missing,
-                replicas=[opb.ReplicaInfo(endpoint=r.endpoint, healthy=r.is_healthy,
-                                          in_flight=r.in_flight)
-                          for r in self.pools[s.stage_id].replicas]) for s in t.stages],
-            sinks=list(t.sinks), default_sinks=list(t.default_sinks), max_running=t.max_running,
-            max_queued=t.max_queued, running=self.num_running, queued=self.num_queued,
-            runs=state["runs"], step_streams=state["step_streams"],
-            stream_members=state["stream_members"])
+        state = self.state()
+        return TopologyReport(
+            self.topology,
+            {sid: tuple(ReplicaReport(r.endpoint, r.is_healthy, r.in_flight)
+                        for r in pool.replicas) for sid, pool in self.pools.items()},
+            {k: state[k] for k in ("running", "queued", "runs", "step_streams",
+                                   "stream_members")})

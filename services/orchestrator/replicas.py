@@ -52,6 +52,11 @@ class Replica:
     def next_slot_id(self) -> int:
         return next(self._slot_ids)
 
+    async def describe(self, timeout: float) -> pb.DescribeResponse:
+        """Ask the replica what it runs (kept in `description`); raises grpc.aio.AioRpcError."""
+        self.description = await self.stub.Describe(pb.DescribeRequest(), timeout=timeout)
+        return self.description
+
     def cohort(self, fingerprint: str) -> CohortStream:
         """The open cohort stream for this fingerprint, opened on first use."""
         stream = self._cohorts.get(fingerprint)

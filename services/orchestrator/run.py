@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from google.protobuf import struct_pb2
 from google.protobuf.json_format import MessageToDict
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from services.contract.llmstage.v1 import orchestrator_pb2 as opb
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.errors import (
     DeadlineExceeded,
@@ -29,6 +28,15 @@ from services.errors import (
     ServiceError,
     Unavailable,
     error_for,
+)
+from services.orchestrator.codec import (
+    Delta,
+    Event,
+    FinalReport,
+    FinishReason,
+    Usage,
+    finish_reason_from_pb,
+    finish_reason_to_pb,
 )
 from services.orchestrator.cohorts import Item
 from services.orchestrator.replicas import Replica
@@ -75,13 +83,14 @@ class RequestRun:
         self._held: Item | None = None  # taken from the queue by _coalesce, not yet handled
 
     # ---- the happy path ----------------------------------------------------------------
-    async def events(self) -> Any:
-        """Deltas of the sink ports, then the final report (an async iterator of pb events)."""
+    async def events(self) -> AsyncIterator[Event]:
+        """Deltas of the sink ports, then the final report."""
         sink_ports = {s.split(":", 1)[0]: s.split(":", 1)[1] for s in reversed(self.route.sinks)}
         by_stage = {p.stage_id: p for p in self.placements}
         for p in self.placements:
             request = pb.GenerationRequest()
             request.CopyFrom(self.request)
+            request.request_id = self.request_id
             request.ClearField("ports")
             request.ports.extend(p.ports)
             # Admit runs as its own task with its own timeout: a cancel or deadline that lands
@@ -121,10 +130,8 @@ class RequestRun:
                     trace.get_current_span(self.trace_ctx).add_event(
                         "first_token", {"llmstage.stage_id": stage_id})
                 token_ids, text = self._coalesce(stage_id, list(item.token_ids), item.text)
-                yield opb.GenerateEvent(delta=opb.Delta(
-                    stage_id=stage_id, port=sink_ports[stage_id], token_ids=token_ids,
-                    text=text))
-        yield opb.GenerateEvent(final=await self._finish_all())
+                yield Delta(stage_id, sink_ports[stage_id], token_ids, text)
+        yield await self._finish_all()
 
     def cancel(self) -> None:
         """Stop the request on every stage; its stream ends with finish reason CANCELLED."""
@@ -135,7 +142,7 @@ class RequestRun:
                 asyncio.get_running_loop().create_task(self._quiet(
                     p, p.replica.stub.Cancel, pb.CancelRequest(slot_id=p.slot_id), 5.0))
 
-    async def cleanup(self, reason: pb.FinishReason) -> None:
+    async def cleanup(self, reason: FinishReason) -> None:
         """Finish (with `reason`) and Reset every slot still held. Never raises."""
         for p in self.placements:
             if p.admit_call is not None and not p.is_released:
@@ -144,17 +151,17 @@ class RequestRun:
                 state = await self._admit_outcome(p.admit_call)
                 if state == "admitted":
                     await self._quiet(p, stub.Finish,
-                                      pb.FinishRequest(slot_id=p.slot_id, reason=reason), 10.0)
+                                      pb.FinishRequest(
+                                          slot_id=p.slot_id, reason=finish_reason_to_pb(reason)),
+                                      10.0)
                 if state != "refused":
                     # Reset is idempotent: after an Admit whose answer never came it frees
                     # the slot if the stage did admit it, and is a no-op otherwise.
                     await self._quiet(p, stub.Reset, pb.ResetRequest(slot_id=p.slot_id), 5.0)
             p.replica.cohort(self.route.fingerprint).leave(p.slot_id)
 
-    def final_cancelled(self) -> opb.GenerateEvent:
-        return opb.GenerateEvent(final=opb.FinalReport(
-            request_id=self.request_id, finish_reason=pb.FINISH_REASON_CANCELLED,
-            route=list(self.route.stages)))
+    def final_cancelled(self) -> FinalReport:
+        return FinalReport(self.request_id, FinishReason.CANCELLED, self.route.stages)
 
     # ---- internals ---------------------------------------------------------------------
     async def _await_admit(self, call: asyncio.Task[Any]) -> Any:
@@ -243,25 +250,25 @@ class RequestRun:
         finally:
             span.end()
 
-    async def _finish_all(self) -> opb.FinalReport:
-        diagnostics = struct_pb2.Struct()
+    async def _finish_all(self) -> FinalReport:
+        diagnostics: dict[str, Any] = {}
         for p in self.placements:
             p.finish = await self._call(p, p.replica.stub.Finish,
                                         pb.FinishRequest(slot_id=p.slot_id))
             diag = await self._call(p, p.replica.stub.Diagnostics,
                                     pb.DiagnosticsRequest(slot_id=p.slot_id))
-            diagnostics.update({p.stage_id: MessageToDict(diag.values)})
+            diagnostics[p.stage_id] = MessageToDict(diag.values)
             await self._call(p, p.replica.stub.Reset, pb.ResetRequest(slot_id=p.slot_id))
             p.is_released = True
         first = self.placements[0].finish
         sink_id = self.route.sink_stages()[0]
         sink = next(p for p in self.placements if p.stage_id == sink_id).finish
         assert first is not None and sink is not None
-        return opb.FinalReport(
-            request_id=self.request_id, finish_reason=sink.finish_reason, error=sink.error,
-            usage=opb.Usage(prompt_tokens=first.metrics.prompt_tokens,
-                            completion_tokens=len(sink.output_token_ids)),
-            diagnostics=diagnostics, route=list(self.route.stages))
+        return FinalReport(
+            self.request_id, finish_reason_from_pb(sink.finish_reason), self.route.stages,
+            error=sink.error, usage=Usage(prompt_tokens=first.metrics.prompt_tokens,
+                                          completion_tokens=len(sink.output_token_ids)),
+            diagnostics=diagnostics)
 
     async def _quiet(self, p: Placement, method: Any, request: Any, timeout: float) -> None:
         """A cleanup call: traced like any other, failures only logged."""

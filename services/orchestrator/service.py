@@ -10,6 +10,7 @@ import grpc
 from services.contract.llmstage.v1 import orchestrator_pb2 as opb
 from services.contract.llmstage.v1 import orchestrator_pb2_grpc
 from services.metrics import serve_metrics
+from services.orchestrator.codec import GenerateInput
 from services.orchestrator.core import Orchestrator
 from services.orchestrator.topology import Topology
 from services.server import ServerHandle, ServerOptions, create_server, serve_until_signal
@@ -21,14 +22,17 @@ SERVICE_NAME = opb.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
+    """Decodes each call, calls one Orchestrator method, encodes its answer."""
+
     def __init__(self, orchestrator: Orchestrator) -> None:
         self.orchestrator = orchestrator
 
     async def Generate(self, request: opb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[opb.GenerateEvent]:
         parent = context_from(metadata=context.invocation_metadata() or ())
-        async for ev in self.orchestrator.generate(request, context.time_remaining(), parent):
-            yield ev
+        call = GenerateInput.from_pb(request)
+        async for ev in self.orchestrator.generate(call, context.time_remaining(), parent):
+            yield ev.to_pb()
 
     async def Cancel(self, request: opb.CancelGenerateRequest,
                      context: grpc.aio.ServicerContext) -> opb.CancelGenerateResponse:
@@ -36,7 +40,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     async def Topology(self, request: opb.TopologyRequest, context: grpc.aio.ServicerContext
                        ) -> opb.TopologyResponse:
-        return self.orchestrator.topology_pb()
+        return self.orchestrator.topology_report().to_pb()
 
 
 async def create_orchestrator_server(topology: Topology, options: ServerOptions,
