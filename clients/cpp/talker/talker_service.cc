@@ -15,45 +15,8 @@ namespace {
 using grpc::Status;
 using grpc::StatusCode;
 
-const char* const kCalls[] = {"Prepare", "Step", "Cancel", "Finish", "Diagnostics", "Reset"};
-
-// The contract's table: which calls each state allows (slots.py ALLOWED).
-bool IsAllowed(const std::string& call, SlotState s) {
-  using S = SlotState;
-  if (call == "Prepare") return s == S::kAdmitted;
-  if (call == "Step") return s == S::kPrepared;
-  if (call == "Cancel" || call == "Finish") {
-    return s == S::kAdmitted || s == S::kPrepared || s == S::kRunning;
-  }
-  if (call == "Diagnostics") return s == S::kFinished;
-  if (call == "Reset") return s == S::kAdmitted || s == S::kPrepared || s == S::kFinished;
-  return false;
-}
-
-// Calls that need a run that has not ended yet.
-bool NeedsLiveRun(const std::string& call) { return call == "Prepare" || call == "Step"; }
-
-std::string AllowedCalls(SlotState state, bool is_ended) {
-  std::string out;
-  for (const char* call : kCalls) {
-    if (IsAllowed(call, state) && !(is_ended && NeedsLiveRun(call))) {
-      if (!out.empty()) out += ", ";
-      out += call;
-    }
-  }
-  return out;
-}
-
 Status InvalidArgument(const std::string& message) {
   return Status(StatusCode::INVALID_ARGUMENT, message);
-}
-
-Status CheckSlotId(int64_t slot_id) {
-  if (slot_id < 0) {
-    return InvalidArgument("slot id " + std::to_string(slot_id) +
-                           " is negative; slot ids are >= 0");
-  }
-  return Status::OK;
 }
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
@@ -150,16 +113,6 @@ v1::SlotState ToProto(SlotState state) {
 
 }  // namespace
 
-const char* StateName(SlotState state) {
-  switch (state) {
-    case SlotState::kAdmitted: return "ADMITTED";
-    case SlotState::kPrepared: return "PREPARED";
-    case SlotState::kRunning: return "RUNNING";
-    case SlotState::kFinished: return "FINISHED";
-  }
-  return "UNSPECIFIED";
-}
-
 std::string ReasonName(v1::FinishReason reason) {
   std::string name = v1::FinishReason_Name(reason);
   const std::string prefix = "FINISH_REASON_";
@@ -195,26 +148,18 @@ void TalkerStage::Close() {
 
 // ---- helpers (mu_ held) -------------------------------------------------------------------------
 
-Status TalkerStage::Require(int64_t slot_id, const std::string& call,
-                            std::shared_ptr<Slot>* out) {
-  Status st = CheckSlotId(slot_id);
-  if (!st.ok()) return st;
+Status TalkerStage::Require(int64_t slot_id, SlotCall call, std::shared_ptr<Slot>* out) {
   auto it = slots_.find(slot_id);
-  if (it == slots_.end()) {
-    return Status(StatusCode::NOT_FOUND,
-                  call + ": slot " + std::to_string(slot_id) + " does not exist");
-  }
+  if (it == slots_.end()) return CheckCall(call, slot_id, nullptr);
   const Slot& slot = *it->second;
-  const bool is_ended = slot.ended.has_value();
-  if (!IsAllowed(call, slot.state) || (is_ended && NeedsLiveRun(call))) {
-    std::string how = is_ended ? " and its run ended (" + ReasonName(slot.ended->reason) + ")" : "";
-    return Status(StatusCode::FAILED_PRECONDITION,
-                  call + " is not allowed: slot " + std::to_string(slot_id) + " is " +
-                      StateName(slot.state) + how +
-                      "; allowed now: " + AllowedCalls(slot.state, is_ended));
-  }
-  *out = it->second;
-  return Status::OK;
+  SlotView view;
+  view.state = slot.state;
+  view.is_ended = slot.ended.has_value();
+  if (slot.ended) view.ended_reason = ReasonName(slot.ended->reason);
+  view.is_finishing = slot.is_finishing;
+  Status st = CheckCall(call, slot_id, &view);
+  if (st.ok()) *out = it->second;
+  return st;
 }
 
 void TalkerStage::StopSubscription(Slot& slot, Graveyard* graveyard) {
@@ -322,13 +267,9 @@ Status TalkerStage::Admit(grpc::ServerContext* context, const v1::AdmitRequest* 
     return Status(StatusCode::UNAVAILABLE, "the stage is shutting down; send new requests "
                                            "elsewhere");
   }
-  auto it = slots_.find(req->slot_id());
-  if (it != slots_.end()) {
-    return Status(StatusCode::FAILED_PRECONDITION,
-                  "Admit is not allowed: slot " + std::to_string(req->slot_id()) +
-                      " already exists in state " + StateName(it->second->state) +
-                      "; Reset it before admitting a new request into it");
-  }
+  std::shared_ptr<Slot> existing;
+  st = Require(req->slot_id(), SlotCall::kAdmit, &existing);
+  if (!st.ok()) return st;
   auto slot = std::make_shared<Slot>();
   slot->slot_id = req->slot_id();
   slot->request_id = req->request().request_id().empty()
@@ -350,7 +291,7 @@ Status TalkerStage::Prepare(grpc::ServerContext* context, const v1::PrepareReque
   {
     std::lock_guard<std::mutex> lock(mu_);
     std::shared_ptr<Slot> slot;
-    Status st = Require(req->slot_id(), "Prepare", &slot);
+    Status st = Require(req->slot_id(), SlotCall::kPrepare, &slot);
     if (!st.ok()) return st;
     const v1::InputBinding* binding = nullptr;
     for (const auto& b : req->inputs()) {
@@ -573,7 +514,7 @@ void TalkerStage::ReadControls(grpc::ServerReaderWriter<v1::StepEvent, v1::StepR
     }
     for (int64_t sid : msg.join()) {
       std::shared_ptr<Slot> slot;
-      Status st = Require(sid, "Step", &slot);
+      Status st = Require(sid, SlotCall::kStep, &slot);
       if (st.ok()) {
         Enter(cohort, slot);
         continue;
@@ -647,7 +588,7 @@ Status TalkerStage::Step(grpc::ServerContext* context,
     std::vector<std::shared_ptr<Slot>> slots;
     for (int64_t sid : first.join()) {  // all or nothing
       std::shared_ptr<Slot> slot;
-      Status st = Require(sid, "Step", &slot);
+      Status st = Require(sid, SlotCall::kStep, &slot);
       if (!st.ok()) return st;
       slots.push_back(std::move(slot));
     }
@@ -714,13 +655,8 @@ Status TalkerStage::Finish(grpc::ServerContext*, const v1::FinishRequest* req,
   {
     std::unique_lock<std::mutex> lock(mu_);
     std::shared_ptr<Slot> slot;
-    Status st = Require(req->slot_id(), "Finish", &slot);
+    Status st = Require(req->slot_id(), SlotCall::kFinish, &slot);
     if (!st.ok()) return st;
-    if (slot->is_finishing) {
-      return Status(StatusCode::FAILED_PRECONDITION,
-                    "Finish is not allowed: slot " + std::to_string(slot->slot_id) + " is " +
-                        StateName(slot->state) + " and already being finished");
-    }
     slot->is_finishing = true;
     if (!slot->ended) {
       if (slot->state == SlotState::kRunning) {
@@ -761,21 +697,16 @@ Status TalkerStage::Finish(grpc::ServerContext*, const v1::FinishRequest* req,
 
 Status TalkerStage::Reset(grpc::ServerContext*, const v1::ResetRequest* req,
                           v1::ResetResponse* out) {
-  Status st = CheckSlotId(req->slot_id());
-  if (!st.ok()) return st;
   Graveyard graveyard;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (slots_.find(req->slot_id()) == slots_.end()) {
-      out->set_existed(false);
-      return Status::OK;
-    }
     std::shared_ptr<Slot> slot;
-    st = Require(req->slot_id(), "Reset", &slot);
+    Status st = Require(req->slot_id(), SlotCall::kReset, &slot);
     if (!st.ok()) return st;
+    out->set_existed(slot != nullptr);
+    if (!slot) return Status::OK;  // an unknown slot: nothing to drop
     StopSubscription(*slot, &graveyard);
     slots_.erase(req->slot_id());
-    out->set_existed(true);
   }
   graveyard.clear();
   return Status::OK;
@@ -786,7 +717,7 @@ Status TalkerStage::Diagnostics(grpc::ServerContext*, const v1::DiagnosticsReque
   std::lock_guard<std::mutex> lock(mu_);
   if (req->has_slot_id()) {
     std::shared_ptr<Slot> slot;
-    Status st = Require(req->slot_id(), "Diagnostics", &slot);
+    Status st = Require(req->slot_id(), SlotCall::kDiagnostics, &slot);
     if (!st.ok()) return st;
     *out->mutable_values() = slot->diagnostics;
     return Status::OK;
@@ -819,7 +750,7 @@ Status TalkerStage::Cancel(grpc::ServerContext*, const v1::CancelRequest* req,
                            v1::CancelResponse* out) {
   std::lock_guard<std::mutex> lock(mu_);
   std::shared_ptr<Slot> slot;
-  Status st = Require(req->slot_id(), "Cancel", &slot);
+  Status st = Require(req->slot_id(), SlotCall::kCancel, &slot);
   if (!st.ok()) return st;
   out->set_state(ToProto(slot->state));
   if (slot->ended) {

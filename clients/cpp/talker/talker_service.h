@@ -1,7 +1,7 @@
 // The reference talker stage: llmstage.v1.Stage over the talker's codec (see codec.h).
 //
-// Slots follow the contract's state machine exactly as the Python LLM stage does
-// (llm_runner_svc/stage/slots.py): ADMITTED -> PREPARED -> RUNNING -> FINISHED -> Reset.
+// Slots follow the contract's state machine exactly as the Python LLM stage does: every
+// legality check and refusal comes from the one table in slot_machine.h.
 // Prepare opens a subscription to the bound thinker's hidden port at once and buffers what
 // arrives; a Step stream turns each hidden message into one frame code and streams them, one
 // StepEvent per round, under the stream's credit window.
@@ -25,6 +25,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "codec.h"
+#include "slot_machine.h"
 #include "llmstage/hidden_subscriber.h"
 #include "llmstage/v1/stage.grpc.pb.h"
 
@@ -39,8 +40,6 @@ constexpr int kMaxWindow = 1024;
 constexpr size_t kMaxPendingRefusals = 1024;
 // Largest hidden size served: its projection takes kMaxHidden * 2048 * 4 bytes (128 MiB).
 constexpr int64_t kMaxHidden = 16384;
-
-enum class SlotState { kAdmitted, kPrepared, kRunning, kFinished };
 
 struct RunEnd {
   v1::FinishReason reason = v1::FINISH_REASON_UNSPECIFIED;
@@ -129,8 +128,9 @@ class TalkerStage final : public v1::Stage::Service {
  private:
   using Graveyard = std::vector<std::shared_ptr<llmstage::HiddenSubscriber>>;
 
-  // The slot, if `call` is legal on it now (requires mu_).
-  grpc::Status Require(int64_t slot_id, const std::string& call, std::shared_ptr<Slot>* out);
+  // CheckCall (slot_machine.h) on the slot `slot_id`; when OK, `*out` is the slot (null when
+  // there is none: Admit, or a Reset of an unknown slot). Requires mu_.
+  grpc::Status Require(int64_t slot_id, SlotCall call, std::shared_ptr<Slot>* out);
   void Enter(const std::shared_ptr<Cohort>& cohort, const std::shared_ptr<Slot>& slot);
   bool BuildEvent(Cohort& cohort, v1::StepEvent* event);
   void CloseCohort(const std::shared_ptr<Cohort>& cohort, bool is_broken, Graveyard* graveyard);
@@ -156,7 +156,6 @@ class TalkerStage final : public v1::Stage::Service {
   bool is_shutting_down_ = false;
 };
 
-const char* StateName(SlotState state);
 std::string ReasonName(v1::FinishReason reason);  // "max_length", ...
 
 }  // namespace talker
