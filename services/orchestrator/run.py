@@ -38,9 +38,10 @@ from services.orchestrator.codec import (
     finish_reason_from_pb,
     finish_reason_to_pb,
 )
-from services.orchestrator.cohorts import Item
+from services.orchestrator.cohorts import CohortStream
 from services.orchestrator.replicas import Replica
 from services.orchestrator.routes import Route
+from services.orchestrator.updates import Item, UpdateBuffer
 from services.telemetry import metadata_for, traceparent
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class Placement:
     ports: tuple[str, ...] = ()  # ports this stage must produce for the route
     inputs: tuple[tuple[str, str], ...] = ()  # (input "stage:port", upstream stage id)
     admit_call: asyncio.Task[Any] | None = None  # Admit, once sent; outlives a cancel
-    has_joined: bool = False
+    stream: CohortStream | None = None  # the Step stream it joined
     is_ended: bool = False
     is_released: bool = False
     finish: pb.FinishResponse | None = None
@@ -79,12 +80,14 @@ class RequestRun:
         self.is_cancelled = False
         self.trace_ctx = trace_ctx  # the request's root span: parent of every stage call
         self.has_first_token = False
-        self._updates: asyncio.Queue[Item] = asyncio.Queue()
-        self._held: Item | None = None  # taken from the queue by _coalesce, not yet handled
+        # Bounded by each stage's member window (cohorts.MEMBER_WINDOW) plus its ending.
+        self._updates = UpdateBuffer()
 
     # ---- the happy path ----------------------------------------------------------------
     async def events(self) -> AsyncIterator[Event]:
-        """Deltas of the sink ports, then the final report."""
+        """Deltas of the sink ports, then the final report. The member credits of the
+        updates a delta carries go back to their stage when the caller asks for the next
+        event (this generator resumes), of other updates when nothing is left to read."""
         sink_ports = {s.split(":", 1)[0]: s.split(":", 1)[1] for s in reversed(self.route.sinks)}
         by_stage = {p.stage_id: p for p in self.placements}
         for p in self.placements:
@@ -116,8 +119,8 @@ class RequestRun:
         if self.is_cancelled:
             return
         for p in self.placements:
-            p.replica.cohort(self.route.fingerprint).join(p.slot_id, self._updates)
-            p.has_joined = True
+            p.stream = p.replica.cohort(self.route.fingerprint)
+            p.stream.join(p.slot_id, self._updates)
         while not all(p.is_ended for p in self.placements):
             stage_id, item = await self._next_update()
             if isinstance(item, ServiceError):
@@ -131,6 +134,7 @@ class RequestRun:
                         "first_token", {"llmstage.stage_id": stage_id})
                 token_ids, text = self._coalesce(stage_id, list(item.token_ids), item.text)
                 yield Delta(stage_id, sink_ports[stage_id], token_ids, text)
+                self._return_credits()
         yield await self._finish_all()
 
     def cancel(self) -> None:
@@ -138,7 +142,7 @@ class RequestRun:
         self.is_cancelled = True
         trace.get_current_span(self.trace_ctx).add_event("cancel")
         for p in self.placements:
-            if p.has_joined and not p.is_ended:
+            if p.stream is not None and not p.is_ended:
                 asyncio.get_running_loop().create_task(self._quiet(
                     p, p.replica.stub.Cancel, pb.CancelRequest(slot_id=p.slot_id), 5.0))
 
@@ -158,7 +162,8 @@ class RequestRun:
                     # Reset is idempotent: after an Admit whose answer never came it frees
                     # the slot if the stage did admit it, and is a no-op otherwise.
                     await self._quiet(p, stub.Reset, pb.ResetRequest(slot_id=p.slot_id), 5.0)
-            p.replica.cohort(self.route.fingerprint).leave(p.slot_id)
+            if p.stream is not None:
+                p.stream.leave(p.slot_id)
 
     def final_cancelled(self) -> FinalReport:
         return FinalReport(self.request_id, FinishReason.CANCELLED, self.route.stages)
@@ -195,26 +200,33 @@ class RequestRun:
                   ) -> tuple[list[int], str]:
         """Add to one delta the updates of `stage_id` already waiting behind it (a caller
         that reads slower than the stages step gets fewer, larger deltas instead of a growing
-        backlog). Stops at another stage's update, an ending or an error, which is held for
+        backlog). Stops at another stage's update, an ending or an error, which stays for
         the next `_next_update`."""
-        while self._held is None and len(token_ids) < MAX_TOKENS_PER_DELTA:
-            try:
-                nxt = self._updates.get_nowait()
-            except asyncio.QueueEmpty:
+        while len(token_ids) < MAX_TOKENS_PER_DELTA:
+            nxt = self._updates.peek()
+            if nxt is None:
                 break
             nxt_stage, update = nxt
             if (nxt_stage != stage_id or isinstance(update, ServiceError)
                     or update.status == pb.MEMBER_STATUS_ENDED):
-                self._held = nxt
                 break
+            self._updates.take()
             token_ids += update.token_ids
             text += update.text
         return token_ids, text
 
+    def _return_credits(self) -> None:
+        """Hand each stage the member credits of the updates taken since the last call: one
+        Step message per stage, however many updates."""
+        by_stage = {p.stage_id: p for p in self.placements}
+        for stage_id, n in self._updates.take_consumed().items():
+            p = by_stage[stage_id]
+            if p.stream is not None:
+                p.stream.grant(p.slot_id, n)
+
     async def _next_update(self) -> Item:
-        if self._held is not None:
-            held, self._held = self._held, None
-            return held
+        if not len(self._updates):
+            self._return_credits()  # all read: nothing else will hand these back
         if self.deadline is None:
             return await self._updates.get()
         try:

@@ -18,7 +18,7 @@ def _run(*items) -> RequestRun:
     run = RequestRun("r", pb.GenerationRequest(), Route(("llm", "talker"), ("llm:text",)), [],
                      None)
     for item in items:
-        run._updates.put_nowait(item)
+        run._updates.put(item)
     return run
 
 
@@ -29,7 +29,7 @@ def _update(tokens: list[int], text: str, status=RUNNING) -> pb.MemberUpdate:
 def test_waiting_updates_of_the_stage_join_the_delta():
     run = _run(("llm", _update([2], "b")), ("llm", _update([3, 4], "cd")))
     assert run._coalesce("llm", [1], "a") == ([1, 2, 3, 4], "abcd")
-    assert run._updates.empty()
+    assert not len(run._updates)
 
 
 def test_another_stage_an_ending_or_an_error_is_kept_for_the_next_read():
@@ -48,4 +48,4 @@ def test_a_delta_gathers_at_most_its_cap():
     run = _run(*[("llm", _update([i], "x")) for i in range(MAX_TOKENS_PER_DELTA + 10)])
     tokens, _ = run._coalesce("llm", [], "")
     assert len(tokens) == MAX_TOKENS_PER_DELTA
-    assert run._updates.qsize() == 10
+    assert len(run._updates) == 10

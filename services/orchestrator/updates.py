@@ -1,0 +1,75 @@
+"""One request's buffer of member updates: what its stages streamed and its reader has not
+taken yet, in arrival order.
+
+The cohort streams write it (`put`), the request's run reads it (`get`, `peek`, `take`). It
+keeps two counts per stage of the updates that spent one of the member's credits on the
+stage (`spends_credit`): those waiting, which the stage's member window bounds, and those
+taken since the run last handed credits back (`take_consumed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, deque
+
+from services.contract.llmstage.v1 import stage_pb2 as pb
+from services.errors import ServiceError
+
+# (stage id, one member update or the error that ends the request on that stage)
+Item = tuple[str, "pb.MemberUpdate | ServiceError"]
+
+
+def spends_credit(update: pb.MemberUpdate | ServiceError) -> bool:
+    """Whether the stage spent one of the member's credits on `update`: an update that
+    carries tokens does, the one that ends the member does not (see
+    StepRequest.member_credits)."""
+    return (isinstance(update, pb.MemberUpdate) and update.status != pb.MEMBER_STATUS_ENDED
+            and len(update.token_ids) > 0)
+
+
+class UpdateBuffer:
+    """FIFO of one request's updates from every stage of its route (event loop only)."""
+
+    def __init__(self) -> None:
+        self._items: deque[Item] = deque()
+        self._waiting: Counter[str] = Counter()  # credit-spending updates not taken, by stage
+        self._consumed: Counter[str] = Counter()  # ... taken since the last take_consumed
+        self._ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def num_waiting(self, stage_id: str) -> int:
+        """Updates of `stage_id` waiting here that spent a member credit."""
+        return self._waiting[stage_id]
+
+    def put(self, item: Item) -> None:
+        self._items.append(item)
+        if spends_credit(item[1]):
+            self._waiting[item[0]] += 1
+        self._ready.set()
+
+    def peek(self) -> Item | None:
+        """The next item, left in place; None when empty."""
+        return self._items[0] if self._items else None
+
+    def take(self) -> Item:
+        """Remove and return the next item (there must be one)."""
+        item = self._items.popleft()
+        if spends_credit(item[1]):
+            self._waiting[item[0]] -= 1
+            self._consumed[item[0]] += 1
+        return item
+
+    async def get(self) -> Item:
+        """The next item, waiting for one."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self.take()
+
+    def take_consumed(self) -> dict[str, int]:
+        """Credit-spending updates taken since the last call, by stage; resets the count."""
+        consumed = {sid: n for sid, n in self._consumed.items() if n}
+        self._consumed.clear()
+        return consumed

@@ -1,0 +1,116 @@
+"""Member windows on a shared Step stream, as the orchestrator keeps them: a join grants its
+window in the same message, the stream credit of each event goes back at once, a member's
+credits go back only as its reader takes its updates (one message per read), and a stage
+that ignores member windows is held through the stream credits the slow member keeps."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from services.contract.llmstage.v1 import stage_pb2 as pb
+from services.orchestrator.cohorts import MEMBER_WINDOW, WINDOW, CohortStream
+from services.orchestrator.updates import UpdateBuffer
+
+RUNNING, ENDED = pb.MEMBER_STATUS_RUNNING, pb.MEMBER_STATUS_ENDED
+
+
+class FakeStep:
+    """A Step call: records what the client sends, streams the events a test feeds it."""
+
+    def __init__(self) -> None:
+        self.sent: list[pb.StepRequest] = []
+        self.events: asyncio.Queue[pb.StepEvent | None] = asyncio.Queue()
+
+    def __call__(self, requests: Any) -> FakeStep:
+        async def pump() -> None:
+            async for msg in requests:
+                self.sent.append(msg)
+        self._pump = asyncio.get_running_loop().create_task(pump())
+        return self
+
+    def __aiter__(self) -> FakeStep:
+        return self
+
+    async def __anext__(self) -> pb.StepEvent:
+        ev = await self.events.get()
+        if ev is None:
+            raise StopAsyncIteration
+        return ev
+
+    async def settle(self) -> list[pb.StepRequest]:
+        """What was sent since the last call, once every message in flight has gone out."""
+        for _ in range(20):
+            await asyncio.sleep(0)
+        sent, self.sent = self.sent, []
+        return sent
+
+
+def _token_event(step: int, *slots: int, status: int = RUNNING) -> pb.StepEvent:
+    return pb.StepEvent(step=step, members=[
+        pb.MemberUpdate(slot_id=s, status=status, token_ids=[step], text="x") for s in slots])
+
+
+def _open() -> tuple[CohortStream, FakeStep, UpdateBuffer, UpdateBuffer]:
+    step = FakeStep()
+    stub: Any = type("Stub", (), {"Step": step})()
+    stream = CohortStream("llm", "host:1", stub, lambda s, e: None)
+    slow, fast = UpdateBuffer(), UpdateBuffer()
+    stream.join(1, slow)
+    stream.join(2, fast)
+    return stream, step, slow, fast
+
+
+def _window(msg: pb.StepRequest) -> dict[int, int]:
+    return {c.slot_id: c.credits for c in msg.member_credits}
+
+
+def test_windows_are_granted_with_the_join_and_returned_per_read() -> None:
+    async def scenario() -> None:
+        stream, step, slow, fast = _open()
+        joins = await step.settle()
+        assert [list(m.join) for m in joins] == [[1], [2]]
+        assert joins[0].credits == WINDOW
+        assert [_window(m) for m in joins] == [{1: MEMBER_WINDOW}, {2: MEMBER_WINDOW}]
+        for i in range(5):
+            step.events.put_nowait(_token_event(i, 1, 2))
+        sent = await step.settle()
+        assert [m.credits for m in sent] == [1] * 5 and not any(m.member_credits for m in sent)
+        assert len(slow) == 5 and slow.num_waiting("llm") == 5
+        for _ in range(5):
+            fast.take()
+        stream.grant(2, fast.take_consumed()["llm"])
+        sent = await step.settle()
+        assert len(sent) == 1 and _window(sent[0]) == {2: 5} and sent[0].credits == 0
+        # the ending needs no credit and gives none back; the member leaves the stream
+        step.events.put_nowait(_token_event(5, 2, status=ENDED))
+        assert [m.credits for m in await step.settle()] == [1]
+        assert stream.num_members == 1
+        await stream.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_stage_that_ignores_member_windows_is_held_by_the_slow_member() -> None:
+    async def scenario() -> None:
+        stream, step, slow, fast = _open()
+        await step.settle()
+        over = 4
+        for i in range(MEMBER_WINDOW + over):
+            step.events.put_nowait(_token_event(i, 1))
+        sent = await step.settle()
+        assert sum(m.credits for m in sent) == MEMBER_WINDOW  # the rest are kept
+        while len(slow):
+            slow.take()
+        stream.grant(1, slow.take_consumed()["llm"])
+        (msg,) = await step.settle()
+        assert msg.credits == over and _window(msg) == {1: MEMBER_WINDOW}
+        # a member that leaves gives back what it kept
+        for i in range(MEMBER_WINDOW + 2):
+            step.events.put_nowait(_token_event(i, 1))
+        assert sum(m.credits for m in await step.settle()) == MEMBER_WINDOW
+        stream.leave(1)
+        assert [m.credits for m in await step.settle()] == [2]
+        await stream.close()
+
+    asyncio.run(scenario())
