@@ -1,5 +1,6 @@
 """`llm-runner` command line: `generate` streams text for one prompt; `serve` runs the stage
-as a gRPC service."""
+as a gRPC service; `up` starts a local deployment (stage processes + orchestrator);
+`build-engine` builds a TensorRT-RTX plan."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from llm_runner_svc.errors import InvalidArgument, RunnerError
 from llm_runner_svc.export.build_cli import add_build_engine, run_build_engine
 from llm_runner_svc.models import load_model
 from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
+from llm_runner_svc.up_cli import add_up, run_up
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -113,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    add_up(sub)
     add_build_engine(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -121,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "up":
+            return run_up(args)
         if args.command == "build-engine":
             return run_build_engine(args)
     except RunnerError as exc:

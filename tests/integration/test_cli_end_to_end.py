@@ -1,4 +1,5 @@
-"""`llm-stage up` starts a deployment; `llm-stage generate` streams through it."""
+"""`llm-stage up` (the client's alias of `llm-runner up`) starts a deployment; `llm-stage generate`
+streams through it."""
 
 from __future__ import annotations
 

@@ -4,14 +4,17 @@ events it returns, deadlines, error mapping, cancel/topology, the asyncio client
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
+import os
+import sys
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
 
 import grpc
 import pytest
-from llm_stage_client import AsyncClient, Client, Delta, FinalReport, StageClientError
+from llm_stage_client import AsyncClient, Client, Delta, FinalReport, StageClientError, cli
 from llm_stage_client.cli import main
 from llm_stage_client.types import finish_reason_name
 
@@ -235,3 +238,32 @@ def test_cli_generate(orch: tuple[FakeOrchestrator, str], capsys: pytest.Capture
     out, err = capsys.readouterr()
     assert out == ""
     assert "llm-stage: RESOURCE_EXHAUSTED: admission queue is full" in err
+
+
+class _Exec(Exception):
+    """Raised in place of os.execv, with what it was asked to run."""
+
+
+def _fake_execv(path: str, argv: list[str]) -> None:
+    raise _Exec(path, argv)
+
+
+def test_up_hands_every_argument_to_llm_runner_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "execv", _fake_execv)
+    with pytest.raises(_Exec) as info:
+        main(["up", "--topology", "t.json", "--port", "0", "--help"])
+    assert info.value.args == (sys.executable, [sys.executable, "-m", "llm_runner_svc", "up",
+                                                "--topology", "t.json", "--port", "0", "--help"])
+
+
+def test_up_without_the_server_package_says_what_to_install(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == cli.SERVER_PACKAGE else real(name, *a))
+    monkeypatch.setattr(os, "execv", _fake_execv)
+    assert main(["up", "--port", "0"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    assert err.startswith("llm-stage: FAILED_PRECONDITION: `llm-stage up` starts the servers")
+    assert "pip install llm-runner-svc" in err

@@ -9,6 +9,8 @@ from typing import Any, Unpack
 import grpc
 import grpc.aio
 
+from llm_stage_client._contract.llmstage.v1 import orchestrator_pb2 as opb
+from llm_stage_client._contract.llmstage.v1 import orchestrator_pb2_grpc
 from llm_stage_client.client import CHANNEL_OPTIONS, DEFAULT_TARGET
 from llm_stage_client.types import (
     Delta,
@@ -20,8 +22,6 @@ from llm_stage_client.types import (
     text_and_report,
     topology_from_pb,
 )
-from services.contract.llmstage.v1 import orchestrator_pb2 as opb
-from services.contract.llmstage.v1 import orchestrator_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,12 @@
 """`llm-stage` command line: `generate` streams one generation from an orchestrator to stdout;
-`up` starts a whole local deployment."""
+`up` is an alias of the server package's `llm-runner up` (a whole local deployment), for an
+install that has it. Nothing here imports the servers."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -87,28 +89,32 @@ def _stream_text(items: Iterator[Delta | FinalReport]) -> FinalReport | None:
     return report
 
 
+# The server side: its import name, and the distribution that brings it.
+SERVER_PACKAGE = "llm_runner_svc"
+SERVER_DISTRIBUTION = "llm-runner-svc"
+
+
 def _add_up(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="start a local deployment: stage processes + orchestrator")
-    p.add_argument("--topology", default=None,
-                   help="topology file whose stages carry `launch` (default: one backbone stage "
-                        "serving the embedded model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50050, help="orchestrator port (0 = any free)")
+    # Every argument goes to `llm-runner up` as it is (its own --help included): a prefix no
+    # argument starts with keeps this parser from reading any of them as its options.
+    p = sub.add_parser("up", add_help=False, prefix_chars="\0",
+                       help=f"start a local deployment: runs `llm-runner up` (needs the server "
+                            f"package, pip install {SERVER_DISTRIBUTION})")
+    p.add_argument("forward", nargs=argparse.REMAINDER)
 
 
 def _up(args: argparse.Namespace) -> int:
-    # Imported here: `generate` must not pull in the server side.
-    from services.errors import ServiceError
-    from services.orchestrator.launcher import up
-    from services.server import ServerOptions
-
-    try:
-        up(args.topology, ServerOptions(host=args.host, port=args.port))
-    except ServiceError as exc:
-        raise StageClientError(exc.code, exc.message) from exc
-    except (ValueError, RuntimeError) as exc:
-        raise StageClientError("INVALID_ARGUMENT", str(exc)) from exc
-    return 0
+    """Replaces this process with `llm-runner up` (so Ctrl-C and SIGTERM reach the deployment
+    itself); fails without a traceback when the server package is not installed."""
+    if importlib.util.find_spec(SERVER_PACKAGE) is None:
+        raise StageClientError(
+            "FAILED_PRECONDITION", f"`llm-stage up` starts the servers, which this install "
+            f"does not have (only the client library is installed); install them with "
+            f"`pip install {SERVER_DISTRIBUTION}`, then run `llm-runner up`")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", SERVER_PACKAGE, "up", *args.forward])
+    return 0  # not reached: execv returns only by raising
 
 
 _COMMANDS: list[tuple[AddFn, RunFn]] = [(_add_generate, _generate), (_add_up, _up)]

@@ -8,6 +8,8 @@ from typing import Any, Unpack
 
 import grpc
 
+from llm_stage_client._contract.llmstage.v1 import orchestrator_pb2 as opb
+from llm_stage_client._contract.llmstage.v1 import orchestrator_pb2_grpc
 from llm_stage_client.types import (
     Delta,
     FinalReport,
@@ -18,8 +20,6 @@ from llm_stage_client.types import (
     text_and_report,
     topology_from_pb,
 )
-from services.contract.llmstage.v1 import orchestrator_pb2 as opb
-from services.contract.llmstage.v1 import orchestrator_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from multiprocessing import resource_tracker, shared_memory
 import grpc
 import numpy as np
 
-from services.contract.llmstage.v1 import stage_pb2 as pb
-from services.contract.llmstage.v1 import stage_pb2_grpc, tensor_pb2
+from llm_stage_client._contract.llmstage.v1 import stage_pb2 as pb
+from llm_stage_client._contract.llmstage.v1 import stage_pb2_grpc, tensor_pb2
 
 _HEADER = 64
 _NP_DTYPES: dict[int, type] = {

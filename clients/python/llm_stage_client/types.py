@@ -13,8 +13,8 @@ from typing import Any, TypedDict
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from services.contract.llmstage.v1 import orchestrator_pb2 as opb
-from services.contract.llmstage.v1 import stage_pb2 as pb
+from llm_stage_client._contract.llmstage.v1 import orchestrator_pb2 as opb
+from llm_stage_client._contract.llmstage.v1 import stage_pb2 as pb
 
 _FINISH_PREFIX = "FINISH_REASON_"
 
