@@ -1,41 +1,40 @@
 """The Stage servicer: decode the proto, call one LlmStage method, encode the answer.
 
-Errors are typed exceptions; the server's interceptor maps them to status codes.
+The slot calls (Prepare, Step, Cancel, Finish, Diagnostics, Reset) come from the stage kit's
+generic servicer; this one adds Describe, Admit and Subscribe and encodes the LLM's own
+Prepare and Finish answers. Errors are typed exceptions; the server's interceptor maps them
+to status codes.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
 from llm_runner_svc import codec
-from llm_runner_svc.errors import InvalidArgument, RunnerError
+from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.stage import LlmStage
-from llm_runner_svc.stage.slots import check_slot_id
-from llm_runner_svc.stage.stepping import Cohort
 from llm_runner_svc.stage.tracing import call_span
 from services.contract.llmstage.v1 import stage_pb2 as pb
-from services.contract.llmstage.v1 import stage_pb2_grpc
+from services.stage.servicer import StageServicerBase, call_ctx
+from services.stage.slot import Slot
+from services.stage.slot_machine import check_slot_id
 from services.telemetry import context_from
-
-log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Stage"].full_name
 
 
-def _call_ctx(context: grpc.aio.ServicerContext) -> Any:
-    """The caller's trace context from the call's metadata (None when it sent none)."""
-    return context_from(metadata=context.invocation_metadata() or ())
-
-
-class StageServicer(stage_pb2_grpc.StageServicer):
+class StageServicer(StageServicerBase):
     def __init__(self, stage: LlmStage) -> None:
+        super().__init__(stage)
         self.stage = stage
+
+    def prepared_to_pb(self, slot: Slot) -> pb.PrepareResponse:
+        return codec.prepared_to_pb(slot)
+
+    def finished_to_pb(self, slot: Slot) -> pb.FinishResponse:
+        return codec.finished_to_pb(slot)
 
     async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
                        ) -> pb.DescribeResponse:
@@ -48,71 +47,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             raise InvalidArgument("AdmitRequest.request is required")
         req = codec.request_from_pb(request.slot_id, request.request)
         return codec.admission_to_pb(self.stage.admit(
-            request.slot_id, req, _call_ctx(context), context_from(request.traceparent)))
-
-    async def Prepare(self, request: pb.PrepareRequest, context: grpc.aio.ServicerContext
-                      ) -> pb.PrepareResponse:
-        return codec.prepared_to_pb(self.stage.prepare(request.slot_id, _call_ctx(context)))
-
-    async def Step(self, request_iterator: AsyncIterator[pb.StepRequest],
-                   context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepEvent]:
-        first = await anext(aiter(request_iterator), None)
-        if first is None:
-            raise InvalidArgument("Step needs a first message joining at least one slot")
-        if not first.join:
-            raise InvalidArgument("the first Step message must join at least one slot")
-        for sid in first.join:
-            check_slot_id(sid)
-        cohort = self.stage.open_cohort(list(first.join), first.credits)
-        reader = asyncio.create_task(self._read_controls(request_iterator, cohort))
-        is_complete = False
-        try:
-            async for event in cohort.events():
-                yield codec.event_to_pb(event)
-            is_complete = True
-        finally:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
-            self.stage.close_cohort(cohort, is_broken=not is_complete)
-
-    async def _read_controls(self, request_iterator: AsyncIterator[pb.StepRequest],
-                             cohort: Cohort) -> None:
-        """Later Step messages: joins and credits. A malformed one fails the stream."""
-        try:
-            async for msg in request_iterator:
-                if any(sid < 0 for sid in msg.join):
-                    raise InvalidArgument("join holds a negative slot id")
-                if msg.credits:
-                    cohort.grant(msg.credits)
-                if msg.join:
-                    self.stage.join(cohort, list(msg.join))
-        except RunnerError as exc:
-            cohort.fail(exc)
-            return
-        except grpc.aio.AioRpcError:
-            return  # the stream broke; the handler's finally cleans up
-        cohort.client_done()
-
-    async def Finish(self, request: pb.FinishRequest, context: grpc.aio.ServicerContext
-                     ) -> pb.FinishResponse:
-        reason = codec.reason_from_pb(request.reason)
-        return codec.finished_to_pb(await self.stage.finish(request.slot_id, reason,
-                                                            _call_ctx(context)))
-
-    async def Reset(self, request: pb.ResetRequest, context: grpc.aio.ServicerContext
-                    ) -> pb.ResetResponse:
-        return pb.ResetResponse(existed=self.stage.reset(request.slot_id))
-
-    async def Diagnostics(self, request: pb.DiagnosticsRequest,
-                          context: grpc.aio.ServicerContext) -> pb.DiagnosticsResponse:
-        slot_id = request.slot_id if request.HasField("slot_id") else None
-        return pb.DiagnosticsResponse(values=codec.struct_from(self.stage.diagnostics(slot_id)))
-
-    async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext
-                     ) -> pb.CancelResponse:
-        state, was_running = self.stage.cancel(request.slot_id)
-        return pb.CancelResponse(state=codec.state_to_pb(state), was_running=was_running)
+            request.slot_id, req, call_ctx(context), context_from(request.traceparent)))
 
     async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext
                         ) -> AsyncIterator[pb.SubscribeEvent]:
@@ -126,7 +61,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         sub = await self.stage.subscribe(request_id, request.port,
                                          request.transport == pb.TRANSPORT_SHARED_MEMORY)
         # One span for the life of the subscription, under the subscriber's call context.
-        span = call_span("subscribe", _call_ctx(context), self.stage.config.stage_id, -1,
+        span = call_span("subscribe", call_ctx(context), self.stage.config.stage_id, -1,
                          request_id or "")
         try:
             yield pb.SubscribeEvent(subscribed=pb.Subscribed())  # registered: nothing is missed

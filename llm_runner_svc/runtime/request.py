@@ -5,21 +5,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from llm_runner_svc.engines.base import HiddenStates, SampleSpec
 from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.models.tokenizer import StreamDecoder
 from llm_runner_svc.runtime.sampling import SamplingParams
 from llm_runner_svc.runtime.stops import StopMatcher
+from services.stage.ending import FinishReason  # the contract's reasons, shared with stages
 
-
-class FinishReason(StrEnum):
-    END_OF_SEQUENCE = "end_of_sequence"
-    MAX_LENGTH = "max_length"
-    STOP_WORDS = "stop_words"
-    CANCELLED = "cancelled"
-    ERROR = "error"
+__all__ = ["FinishReason", "GenerationRequest", "RequestMetrics", "SequenceState", "StepEvent"]
 
 
 @dataclass(frozen=True)

@@ -162,16 +162,26 @@ class InferenceRuntime(SequenceAdvance):
         self._running = [s for s in self._running if s.finish_reason is None]
         return list(events.values())
 
-    def step(self) -> list[StepEvent]:
-        """Run one step; return an event for every request that changed."""
+    def can_step(self, held: frozenset[str] = frozenset()) -> bool:
+        """Whether `step(held)` would do anything: a cancel to apply, or a request not held."""
+        return bool(self._cancels) or any(rid not in held for rid in self._seqs)
+
+    def step(self, held: frozenset[str] = frozenset()) -> list[StepEvent]:
+        """Run one step; return an event for every request that changed. Requests in `held`
+        take no part (no prefill, no decode; their pages stay), though a decode of theirs
+        already started ahead is still read."""
         with self._lock:
             cancels = self._take_cancels()
             ended = [s for s in (*self._running, *self._waiting) if s.finish_reason is not None]
             if cancels:
                 self._waiting = deque(s for s in self._waiting if s.finish_reason is None)
-            decoding = [s for s in self._running if s.finish_reason is None]
-            num_joins = min(len(self._waiting), self.config.max_batch - len(decoding))
-            joins = [self._waiting.popleft() for _ in range(num_joins)]
+            live = [s for s in self._running if s.finish_reason is None]
+            decoding = [s for s in live if s.req.request_id not in held]
+            num_joins = min(len(self._waiting), self.config.max_batch - len(live))
+            joins = [seq for seq in self._waiting if seq.req.request_id not in held][:num_joins]
+            if joins:
+                taken = {id(seq) for seq in joins}
+                self._waiting = deque(s for s in self._waiting if id(s) not in taken)
         events: dict[str, StepEvent] = {}
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
@@ -180,9 +190,10 @@ class InferenceRuntime(SequenceAdvance):
                 return list(events.values())
             self._read_ahead(ahead, events)  # this step's tokens; it decodes nothing more
             decoding = [s for s in decoding if s.finish_reason is None]
+            live = [s for s in live if s.finish_reason is None]
         for seq in ended:
             self._finish(seq, self._event(events, seq))
-        self._running = list(decoding)  # joins below must not enter this step's decode
+        self._running = list(live)  # joins below must not enter this step's decode
         for seq in joins:
             ev = self._event(events, seq)
             if seq.finish_reason is None:

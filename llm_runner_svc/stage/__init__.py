@@ -1,4 +1,5 @@
-"""The LlmRunner stage: slots, admission, cohorts and the step loop over the runtime.
+"""The LlmRunner stage: admission, tokenization and the hidden port over the stage kit
+(`services/stage/`), which owns slots, cohorts and the step loop.
 
 No grpc here: the servicer translates the contract into calls on `LlmStage`.
 """
@@ -6,7 +7,7 @@ No grpc here: the servicer translates the contract into calls on `LlmStage`.
 from llm_runner_svc.stage.config import StageConfig, load_stage_config
 from llm_runner_svc.stage.llm_stage import LlmStage
 from llm_runner_svc.stage.request import ChatTurn, StageRequest
-from llm_runner_svc.stage.slots import SlotState
+from services.stage.slot import SlotState
 
 __all__ = ["ChatTurn", "LlmStage", "SlotState", "StageConfig", "StageRequest",
            "load_stage_config"]

@@ -4,6 +4,7 @@ tokenization, and the runtime request that Prepare builds."""
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -12,7 +13,7 @@ from llm_runner_svc.models import Model
 from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, resolve
 from llm_runner_svc.stage.config import StageConfig
 from llm_runner_svc.stage.request import StageRequest
-from llm_runner_svc.stage.slots import Slot, SlotState, SlotTable
+from services.stage.slot import Slot, SlotState
 
 
 class Refusal(Enum):
@@ -110,16 +111,16 @@ def token_budget(config: StageConfig, max_seq: int, req: StageRequest, num_promp
 
 def is_queued(slot: Slot) -> bool:
     """Admitted and still to run: not yet joined to a Step stream."""
-    return slot.ended is None and slot.state in (SlotState.ADMITTED, SlotState.PREPARED)
+    return slot.state in (SlotState.ADMITTED, SlotState.PREPARED)
 
 
-def tokens_in_flight(config: StageConfig, max_seq: int, slots: SlotTable) -> int:
+def tokens_in_flight(config: StageConfig, max_seq: int, slots: Iterable[Slot]) -> int:
     """The token budgets of every slot whose run has not ended."""
-    return sum(token_budget(config, max_seq, s.request, len(s.prompt_ids)) for s in slots
-               if s.ended is None and s.state is not SlotState.FINISHED)
+    return sum(token_budget(config, max_seq, s.request, len(s.admitted)) for s in slots
+               if s.state.is_live)
 
 
-def check_load(config: StageConfig, max_seq: int, slots: SlotTable, num_waiting: int,
+def check_load(config: StageConfig, max_seq: int, slots: Iterable[Slot], num_waiting: int,
                req: StageRequest, num_prompt: int) -> None:
     """The stage's own protection: limits on queued requests and on tokens in flight
     (each off when 0). Requests in the runtime's waiting queue count as queued too."""
@@ -137,13 +138,21 @@ def check_load(config: StageConfig, max_seq: int, slots: SlotTable, num_waiting:
                           f"{config.max_tokens_in_flight}")
 
 
-def build_runtime_request(runtime: InferenceRuntime, slot: Slot) -> tuple[GenerationRequest, int]:
+@dataclass(frozen=True)
+class PreparedRun:
+    """What Prepare builds: the runtime's request and the seed it draws with."""
+
+    request: GenerationRequest
+    seed: int
+
+
+def build_runtime_request(runtime: InferenceRuntime, slot: Slot) -> PreparedRun:
     """The runtime's request for a slot; an unset seed is drawn here and reported later."""
     req = slot.request
     seed = secrets.randbits(64) if req.seed is None else req.seed
     sampling = resolve(runtime.config.sampling, temperature=req.temperature, top_k=req.top_k,
                        top_p=req.top_p, max_new_tokens=req.max_tokens, seed=seed,
                        logit_bias=req.logit_bias)
-    return GenerationRequest(slot.runtime_id, slot.prompt_ids, sampling, stop=req.stop,
-                             capture_hidden=req.wants_hidden, ignore_eos=req.ignore_eos,
-                             label=req.request_id), seed
+    return PreparedRun(GenerationRequest(
+        slot.runtime_id, slot.admitted, sampling, stop=req.stop, capture_hidden=req.wants_hidden,
+        ignore_eos=req.ignore_eos, label=req.request_id), seed)

@@ -1,71 +1,89 @@
-"""What Diagnostics reports: per slot after Finish, and stage-wide counters."""
+"""What Diagnostics reports: per slot after Finish, and the stage-wide state accounting
+(from a snapshot the stage publishes, not from its internals)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from llm_runner_svc.stage.admission import is_queued, tokens_in_flight
 from llm_runner_svc.stage.config import StageConfig
-from llm_runner_svc.stage.slots import Slot, SlotState
-
-if TYPE_CHECKING:
-    from llm_runner_svc.stage.llm_stage import LlmStage
+from services.stage.core import CoreSnapshot, core_diagnostics
+from services.stage.slot import Slot
 
 
 def slot_diagnostics(slot: Slot, config: StageConfig) -> dict[str, Any]:
     """Keys owned by this stage; filled whether or not any profiling was on."""
-    req = slot.runtime_request
+    run, tel = slot.run, slot.telemetry
     out: dict[str, Any] = {
         "request_id": slot.request.request_id,
-        "finish_reason": slot.ended.value if slot.ended else None,
-        "tokens_in": len(slot.prompt_ids),
-        "tokens_out": len(slot.output_ids),
+        "finish_reason": run.ended.value if run.ended else None,
+        "tokens_in": len(slot.admitted),
+        "tokens_out": len(run.output_ids),
         "prefix_cache_hits": 0,
         "engine": config.engine,
-        "admit_ms": round(slot.admit_ms, 3),
-        "prepare_ms": round(slot.prepare_ms, 3),
-        "decode_steps": slot.num_steps,
-        "max_batch_size": slot.max_batch_size,
-        "mean_batch_size": round(slot.batch_size_sum / slot.num_steps, 3)
-        if slot.num_steps else 0.0,
+        "admit_ms": round(tel.admit_ms, 3),
+        "prepare_ms": round(tel.prepare_ms, 3),
+        "decode_steps": tel.num_steps,
+        "max_batch_size": tel.max_batch_size,
+        "mean_batch_size": round(tel.batch_size_sum / tel.num_steps, 3)
+        if tel.num_steps else 0.0,
     }
-    if slot.error:
-        out["error"] = slot.error
+    if run.error:
+        out["error"] = run.error
     if slot.request.wants_hidden:
-        out["hidden_windows"] = slot.num_hidden_windows
-        out["hidden_states_crc32"] = slot.hidden_crc32
-    if req is not None:
-        sp = req.sampling
+        out["hidden_windows"] = tel.num_hidden_windows
+        out["hidden_states_crc32"] = tel.hidden_crc32
+    if slot.prepared is not None:
+        sp = slot.prepared.request.sampling
         out["sampling"] = {"temperature": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p,
-                           "max_tokens": sp.max_new_tokens, "seed": str(slot.seed)}
-    if slot.metrics is not None:
-        out["timings"] = slot.metrics.as_dict()
+                           "max_tokens": sp.max_new_tokens, "seed": str(slot.prepared.seed)}
+    if run.metrics is not None:
+        out["timings"] = run.metrics.as_dict()
     return out
 
 
-def stage_diagnostics(stage: LlmStage) -> dict[str, Any]:
-    """Stage-wide state. Every count here returns to its idle value (0, or all pages free)
-    once no request is left, however the requests ended: the reliability suite checks that."""
-    slots, cfg = stage.slots, stage.config
+@dataclass(frozen=True)
+class StageSnapshot:
+    """The stage-wide state at one moment. Every count returns to its idle value (0, or all
+    pages free) once no request is left, however the requests ended."""
+
+    stage_id: str
+    core: CoreSnapshot
+    kv_pages_total: int
+    kv_pages_free: int
+    num_running: int
+    num_waiting: int
+    num_queued: int  # slots not yet joined + requests waiting in the runtime
+    tokens_in_flight: int
+    max_queued: int
+    max_tokens_in_flight: int
+    hidden_subscriptions: int
+    hidden_messages_published: int
+    hidden_bytes_published: int
+    hidden_max_lag: int
+
+    @classmethod
+    def build(cls, core: CoreSnapshot, config: StageConfig, slots: Sequence[Slot], *,
+              max_seq: int, num_waiting: int, **values: int) -> StageSnapshot:
+        return cls(stage_id=config.stage_id, core=core, num_waiting=num_waiting,
+                   num_queued=sum(1 for s in slots if is_queued(s)) + num_waiting,
+                   tokens_in_flight=tokens_in_flight(config, max_seq, slots),
+                   max_queued=config.max_queued,
+                   max_tokens_in_flight=config.max_tokens_in_flight, **values)
+
+
+def stage_diagnostics(snap: StageSnapshot) -> dict[str, Any]:
+    """Stage-wide Diagnostics (no slot)."""
     return {
-        "stage_id": stage.config.stage_id,
-        "slots": len(slots),
-        "slots_by_state": {s.value: slots.count(s) for s in SlotState},
-        "kv_pages_total": stage.runtime.pages.num_pages,
-        "kv_pages_free": stage.runtime.pages.num_free,
-        "running": stage.runtime.num_running,
-        "waiting": stage.runtime.num_waiting,
-        "cohorts": len(stage.loop.cohorts),
-        "steps": stage.loop.num_steps,
-        "draining": stage.is_draining,
-        "hidden_subscriptions": stage.hidden.num_subscriptions,
-        "hidden_messages_published": stage.hidden.num_messages_published,
-        "hidden_bytes_published": stage.hidden.num_bytes_published,
-        "hidden_max_lag": stage.hidden.max_lag,
-        "queued": sum(1 for s in slots if is_queued(s)) + stage.runtime.num_waiting,
-        "tokens_in_flight": tokens_in_flight(cfg, stage.runtime.max_seq, slots),
-        "runs_indexed": stage.num_runs_indexed,
-        "cohort_slots": sum(len(c.joined) for c in stage.loop.cohorts),
-        "max_queued": cfg.max_queued,
-        "max_tokens_in_flight": cfg.max_tokens_in_flight,
+        "stage_id": snap.stage_id, **core_diagnostics(snap.core),
+        "kv_pages_total": snap.kv_pages_total, "kv_pages_free": snap.kv_pages_free,
+        "running": snap.num_running, "waiting": snap.num_waiting,
+        "hidden_subscriptions": snap.hidden_subscriptions,
+        "hidden_messages_published": snap.hidden_messages_published,
+        "hidden_bytes_published": snap.hidden_bytes_published,
+        "hidden_max_lag": snap.hidden_max_lag,
+        "queued": snap.num_queued, "tokens_in_flight": snap.tokens_in_flight,
+        "max_queued": snap.max_queued, "max_tokens_in_flight": snap.max_tokens_in_flight,
     }

@@ -18,12 +18,20 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from llm_runner_svc.engines.base import Engine
 from llm_runner_svc.errors import InvalidArgument
-from llm_runner_svc.runtime import FinishReason, GenerationRequest, InferenceRuntime, StepEvent
+from llm_runner_svc.models.tokenizer import Tokenizer
+from llm_runner_svc.runtime import (
+    FinishReason,
+    GenerationRequest,
+    InferenceRuntime,
+    RuntimeConfig,
+    StepEvent,
+)
 
 ENV = "LLM_RUNNER_FAULTS"
 INJECTED_ERROR = "injected fault: the request failed on purpose"
@@ -83,10 +91,10 @@ class FaultyRuntime(InferenceRuntime):
             self._slow.add(req.request_id)
         super().submit(req)
 
-    def step(self) -> list[StepEvent]:
+    def step(self, held: frozenset[str] = frozenset()) -> list[StepEvent]:
         if self.faults.step_delay_ms and (self._slow or not self.faults.slow_prefix):
             time.sleep(self.faults.step_delay_ms / 1000.0)
-        return self._apply(super().step())
+        return self._apply(super().step(held))
 
     def apply_cancels(self) -> list[StepEvent]:
         return self._apply(super().apply_cancels())
@@ -111,3 +119,19 @@ class FaultyRuntime(InferenceRuntime):
         if self._marked[rid] >= self.faults.error_after_tokens and rid not in self._doomed:
             self._doomed.add(rid)
             self.cancel(rid)  # lands at the top of the next step; its end is rewritten above
+
+
+def faulty_runtime_factory(faults: Faults) -> Callable[[Engine, Tokenizer, RuntimeConfig],
+                                                        InferenceRuntime]:
+    """A RuntimeFactory whose runtimes apply `faults` (for in-process tests)."""
+    def create(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> InferenceRuntime:
+        return FaultyRuntime(faults, engine, tokenizer, config)
+    return create
+
+
+def runtime_factory_from_env(environ: Mapping[str, str] | None = None
+                             ) -> Callable[[Engine, Tokenizer, RuntimeConfig], InferenceRuntime]:
+    """The plain runtime, or the faulty one when LLM_RUNNER_FAULTS asks for it (processes
+    started by the reliability suite)."""
+    faults = faults_from_env(environ)
+    return InferenceRuntime if faults is None else faulty_runtime_factory(faults)

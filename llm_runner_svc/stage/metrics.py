@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from llm_runner_svc.stage.slots import Slot
+from llm_runner_svc.stage.diagnostics import StageSnapshot
 from services.metrics import LATENCY_BUCKETS
-
-if TYPE_CHECKING:
-    from llm_runner_svc.stage.llm_stage import LlmStage
+from services.stage.slot import Slot
 
 
 class StageMetrics:
-    def __init__(self, stage: LlmStage) -> None:
+    """Histograms and counters fed as runs end; gauges read the stage's snapshot."""
+
+    def __init__(self, snapshot: Callable[[], StageSnapshot]) -> None:
         r = self.registry = CollectorRegistry()
         b = LATENCY_BUCKETS
         self.ttft = Histogram("llmstage_time_to_first_token_seconds",
@@ -33,30 +33,30 @@ class StageMetrics:
                                      registry=r)
         self.generated_tokens = Counter("llmstage_generation_tokens_total",
                                         "Tokens generated", registry=r)
-        rt, pub = stage.runtime, stage.hidden
-        gauges = {
-            "llmstage_requests_running": ("Requests decoding", lambda: rt.num_running),
+        gauges: dict[str, tuple[str, Callable[[StageSnapshot], float]]] = {
+            "llmstage_requests_running": ("Requests decoding", lambda s: s.num_running),
             "llmstage_requests_waiting": ("Requests waiting for a batch row",
-                                          lambda: rt.num_waiting),
+                                          lambda s: s.num_waiting),
             "llmstage_kv_pages_used": ("KV pages in use",
-                                       lambda: rt.pages.num_pages - rt.pages.num_free),
-            "llmstage_kv_pages_free": ("KV pages free", lambda: rt.pages.num_free),
+                                       lambda s: s.kv_pages_total - s.kv_pages_free),
+            "llmstage_kv_pages_free": ("KV pages free", lambda s: s.kv_pages_free),
             "llmstage_hidden_bytes_published": ("Hidden-state tensor bytes published so far",
-                                                lambda: pub.num_bytes_published),
+                                                lambda s: s.hidden_bytes_published),
             "llmstage_hidden_subscriber_lag_messages": (
                 "Messages the furthest-behind hidden subscriber has not read",
-                lambda: pub.max_lag),
+                lambda s: s.hidden_max_lag),
             "llmstage_hidden_subscriptions": ("Open hidden-port subscriptions",
-                                              lambda: pub.num_subscriptions),
+                                              lambda s: s.hidden_subscriptions),
         }
-        for name, (doc, fn) in gauges.items():
-            Gauge(name, doc, registry=r).set_function(fn)
+        for name, (doc, read) in gauges.items():
+            Gauge(name, doc, registry=r).set_function(
+                lambda read=read: read(snapshot()))  # type: ignore[misc]
 
     def run_ended(self, slot: Slot) -> None:
-        m = slot.metrics
-        reason = slot.ended.value if slot.ended else "unknown"
+        m = slot.run.metrics
+        reason = slot.run.ended.value if slot.run.ended else "unknown"
         self.finished.labels(reason).inc()
-        if m is None or not slot.t_join_ns:
+        if m is None or not slot.telemetry.t_join_ns:
             return
         self.prompt_tokens.inc(m.prompt_tokens)
         self.generated_tokens.inc(m.generated_tokens)

@@ -9,7 +9,7 @@ from typing import Any
 
 from llm_runner_svc.runtime import StepEvent
 from llm_runner_svc.stage.publish import HiddenPublisher
-from llm_runner_svc.stage.slots import Slot
+from services.stage.slot import Slot
 
 
 async def publish_step(hidden: HiddenPublisher, pairs: list[tuple[Slot, StepEvent]]) -> None:
@@ -21,18 +21,19 @@ async def publish_step(hidden: HiddenPublisher, pairs: list[tuple[Slot, StepEven
         if not slot.request.wants_hidden:
             continue
         rid = slot.request.request_id
-        num_prompt = len(slot.prompt_ids)
+        num_prompt = len(slot.admitted)
         for hs in ev.hidden:
             # A checksum at the source, so a consumer can prove it got these exact bytes.
-            slot.hidden_crc32 = zlib.crc32(hs.states.tobytes(), slot.hidden_crc32)
-            slot.num_hidden_windows += 1
+            slot.telemetry.hidden_crc32 = zlib.crc32(hs.states.tobytes(),
+                                                   slot.telemetry.hidden_crc32)
+            slot.telemetry.num_hidden_windows += 1
             p = hs.start_position
             if p < num_prompt:
                 n = hs.states.shape[0]
-                await hidden.publish(rid, p, list(slot.prompt_ids[p:p + n]), hs.embeddings,
+                await hidden.publish(rid, p, list(slot.admitted[p:p + n]), hs.embeddings,
                                      hs.states, True)
             else:  # one decode position: the token fed there is an earlier output
-                rows.append((rid, p, slot.output_ids[p - num_prompt], hs.embeddings,
+                rows.append((rid, p, slot.run.output_ids[p - num_prompt], hs.embeddings,
                              hs.states))
         if ev.finish_reason is not None:
             ends.append((rid, ev.finish_reason.value, ev.error))

@@ -16,7 +16,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from llm_runner_svc.stage.slots import Slot
+from services.stage.slot import Slot
 
 tracer = trace.get_tracer("llmstage.stage")
 
@@ -33,31 +33,32 @@ def call_span(name: str, parent: otel_context.Context | None, stage_id: str, slo
 def run_spans(slot: Slot, stage_id: str) -> None:
     """Prefill and decode spans of a run that just ended (skipped for a run that never
     reached the model)."""
-    m = slot.metrics
-    if m is None or not slot.t_join_ns or slot.request_ctx is None:
+    run, tel = slot.run, slot.telemetry
+    m = run.metrics
+    if m is None or not tel.t_join_ns or tel.request_ctx is None:
         return
     ms = 1_000_000
-    start = slot.t_join_ns + int(m.queue_ms * ms)
+    start = tel.t_join_ns + int(m.queue_ms * ms)
     first = start + int(m.prefill_ms * ms)
     end = first + int(m.decode_ms * ms) if m.decode_ms else time.time_ns()
     attrs: dict[str, Any] = {"llmstage.stage_id": stage_id, "llmstage.slot": slot.slot_id,
                              "llmstage.request_id": slot.request.request_id}
-    prefill = tracer.start_span("stage.prefill", context=slot.request_ctx, start_time=start,
+    prefill = tracer.start_span("stage.prefill", context=tel.request_ctx, start_time=start,
                                 attributes={**attrs, "gen_ai.usage.input_tokens":
-                                            len(slot.prompt_ids)})
-    if slot.output_ids:
+                                            len(slot.admitted)})
+    if run.output_ids:
         prefill.add_event("first_token", timestamp=first)
     prefill.end(end_time=first)
-    reason = slot.ended.value if slot.ended else "unknown"
-    decode = tracer.start_span("stage.decode", context=slot.request_ctx, start_time=first,
+    reason = run.ended.value if run.ended else "unknown"
+    decode = tracer.start_span("stage.decode", context=tel.request_ctx, start_time=first,
                                attributes={**attrs,
-                                           "gen_ai.usage.output_tokens": len(slot.output_ids),
+                                           "gen_ai.usage.output_tokens": len(run.output_ids),
                                            "gen_ai.response.finish_reasons": [reason],
-                                           "llmstage.decode_steps": slot.num_steps,
-                                           "llmstage.batch_size.max": slot.max_batch_size})
-    if slot.t_cancel_ns:
-        decode.add_event("cancel", timestamp=max(first, slot.t_cancel_ns))
+                                           "llmstage.decode_steps": tel.num_steps,
+                                           "llmstage.batch_size.max": tel.max_batch_size})
+    if tel.t_cancel_ns:
+        decode.add_event("cancel", timestamp=max(first, tel.t_cancel_ns))
     decode.add_event("finish", {"llmstage.finish_reason": reason}, timestamp=end)
-    if slot.error:
-        decode.set_status(Status(StatusCode.ERROR, slot.error))
+    if run.error:
+        decode.set_status(Status(StatusCode.ERROR, run.error))
     decode.end(end_time=end)
