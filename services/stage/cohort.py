@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from services.errors import ResourceExhausted
+from services.errors import ResourceExhausted, ServiceError
 from services.stage.ending import FinishReason
 from services.stage.slot import Slot
 
@@ -61,7 +61,7 @@ class Cohort:
         self._wake = wake
         self._queue: asyncio.Queue[CohortEvent | None] = asyncio.Queue()
         self._refused: list[JoinRefusal] = []
-        self._error: Exception | None = None
+        self._error: ServiceError | None = None
         self._last_step = 0
 
     def grant(self, credits: int) -> None:
@@ -139,7 +139,7 @@ class Cohort:
         if self.is_client_done and not self.members and not self.is_closed:
             self._queue.put_nowait(None)
 
-    def fail(self, error: Exception) -> None:
+    def fail(self, error: ServiceError) -> None:
         self._error = error
         self._queue.put_nowait(None)
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.errors import InvalidArgument, Unavailable
+from services.errors import InvalidArgument, ServiceError, Unavailable
 from services.stage.cohort import Cohort, JoinRefusal
 from services.stage.ending import FinishReason
 from services.stage.slot import Slot, SlotState
@@ -155,11 +155,8 @@ class StageCore:
         for sid in join:
             try:
                 self._enter(cohort, self.slots.require(sid, "Step"))
-            except Exception as exc:
-                code = getattr(exc, "code", None)
-                if not isinstance(code, str):
-                    raise
-                cohort.refuse(JoinRefusal(sid, code, getattr(exc, "message", str(exc))))
+            except ServiceError as exc:
+                cohort.refuse(JoinRefusal(sid, exc.code, exc.message))
 
     def grant(self, cohort: Cohort, credits: int,
               member_credits: Mapping[int, int] | None = None) -> None:

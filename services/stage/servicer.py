@@ -14,7 +14,7 @@ import grpc
 
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.contract.llmstage.v1 import stage_pb2_grpc
-from services.errors import InvalidArgument
+from services.errors import InvalidArgument, ServiceError
 from services.stage import codec
 from services.stage.cohort import Cohort
 from services.stage.core import StageCore
@@ -81,9 +81,7 @@ class StageServicerBase(stage_pb2_grpc.StageServicer):
                 self.core.grant(cohort, msg.credits, codec.member_credits_from_pb(msg))
         except grpc.aio.AioRpcError:
             return  # the stream broke; the handler's finally cleans up
-        except Exception as exc:
-            if not isinstance(getattr(exc, "code", None), str):
-                raise
+        except ServiceError as exc:
             cohort.fail(exc)
             return
         cohort.client_done()

@@ -21,6 +21,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+from services.errors import Internal
 from services.stage.cohort import Cohort, CohortEvent, MemberUpdate
 from services.stage.decode_thread import DecodeThread, Result
 from services.stage.slot import Slot
@@ -33,16 +34,6 @@ log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 2
 
 Pairs = list[tuple[Slot, RunEvent]]
-
-
-class LoopFailed(Exception):
-    """A step raised outside any request: a bug (INTERNAL)."""
-
-    code = "INTERNAL"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 class StepLoop:
@@ -106,7 +97,7 @@ class StepLoop:
             pairs: Pairs | None = None
             if isinstance(result, Exception):
                 for cohort in list(self.cohorts):
-                    cohort.fail(LoopFailed(f"decode loop failed: {result}"))
+                    cohort.fail(Internal(f"decode loop failed: {result}"))
             else:
                 pairs = self._dispatch(result)
             self._dispatched += 1
