@@ -497,6 +497,7 @@ void TalkerStage::ReadControls(grpc::ServerReaderWriter<v1::StepEvent, v1::StepR
     if (cohort->error) return;
     auto fail = [&](Status status) {
       cohort->error = std::move(status);
+      cohort->is_reader_done = true;
       cohort->cv.notify_all();
     };
     if (std::any_of(msg.join().begin(), msg.join().end(), [](int64_t s) { return s < 0; })) {
@@ -534,6 +535,7 @@ void TalkerStage::ReadControls(grpc::ServerReaderWriter<v1::StepEvent, v1::StepR
   }
   std::lock_guard<std::mutex> lock(mu_);
   cohort->is_client_done = true;
+  cohort->is_reader_done = true;
   cohort->cv.notify_all();
 }
 
@@ -600,6 +602,7 @@ Status TalkerStage::Step(grpc::ServerContext* context,
 
   Status result = Status::OK;
   bool is_broken = false;
+  bool is_reading = false;
   Graveyard graveyard;
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -635,8 +638,11 @@ Status TalkerStage::Step(grpc::ServerContext* context,
       cohort->cv.wait_for(lock, std::chrono::milliseconds(100));
     }
     CloseCohort(cohort, is_broken, &graveyard);
+    is_reading = !cohort->is_reader_done;
   }
-  if (is_broken) context->TryCancel();  // unblocks the reader's Read
+  // Cancelling the call unblocks a Read still pending, but the client then sees CANCELLED; a
+  // stream its reader failed (a malformed message) has no Read pending and keeps its status.
+  if (is_broken && is_reading) context->TryCancel();
   reader.join();
   graveyard.clear();
   return result;

@@ -91,7 +91,8 @@ struct Cohort {
   std::vector<std::shared_ptr<Slot>> joined;   // every slot that ever joined
   int64_t credits = 0;
   bool is_client_done = false;
-  std::optional<grpc::Status> error;
+  bool is_reader_done = false;       // the control reader returned: no Read is pending
+  std::optional<grpc::Status> error;  // set only by the control reader, as it returns
   std::vector<v1::JoinRefusal> refused;
   uint64_t last_step = 0;
 };
