@@ -46,6 +46,7 @@ SPEC: dict[str, tuple[str, tuple[grpc.StatusCode, ...]]] = {
     "RUNNING": ("RUNNING", (FP, FP, FP, FP, OK, OK, FP, FP)),
     # the run ended before Finish: no Prepare or Step; Cancel is acknowledged
     "ended: cancelled while ADMITTED": ("ADMITTED", (FP, FP, FP, FP, OK, OK, FP, OK)),
+    "ended: cancelled while PREPARED": ("PREPARED", (FP, FP, FP, FP, OK, OK, FP, OK)),
     "ended: RUNNING, run completed": ("RUNNING", (FP, FP, FP, FP, OK, OK, FP, FP)),
     "FINISHED": ("FINISHED", (FP, FP, FP, FP, FP, FP, OK, OK)),
     "after Reset": ("", (OK, NF, NF, NF, NF, NF, NF, OK)),
@@ -142,6 +143,10 @@ class Target:
             self.run(cell)
         elif state == "ended: cancelled while ADMITTED":
             self.admit(cell)
+            assert self.stub.Cancel(pb.CancelRequest(slot_id=sid)).was_running
+        elif state == "ended: cancelled while PREPARED":
+            self.admit(cell)
+            self.stub.Prepare(self.prepare_request(cell))
             assert self.stub.Cancel(pb.CancelRequest(slot_id=sid)).was_running
         elif state == "ended: RUNNING, run completed":
             self.run(cell, max_tokens=2)

@@ -8,24 +8,23 @@ namespace {
 using grpc::Status;
 using grpc::StatusCode;
 
-constexpr size_t kNumStates = 4;
+constexpr size_t kNumSubStates = 8;
 
 struct Rule {
   SlotCall call;
-  std::array<bool, kNumStates> allowed;  // by SlotState: ADMITTED, PREPARED, RUNNING, FINISHED
-  bool needs_live_run;                   // refused once the run ended
+  std::array<bool, kNumSubStates> allowed;  // by SubState, in its order
 };
 
 // The table: one row per SlotCall, in its order (refusals list allowed calls in it).
-//                     ADMITTED PREPARED RUNNING FINISHED   live run
+//  ADMITTED PREPARED RUNNING ADMITTED_ENDED PREPARED_ENDED ENDED FINISHING FINISHED
 constexpr std::array<Rule, 7> kTable = {{
-    {SlotCall::kAdmit, {false, false, false, false}, false},
-    {SlotCall::kPrepare, {true, false, false, false}, true},
-    {SlotCall::kStep, {false, true, false, false}, true},
-    {SlotCall::kCancel, {true, true, true, false}, false},
-    {SlotCall::kFinish, {true, true, true, false}, false},
-    {SlotCall::kDiagnostics, {false, false, false, true}, false},
-    {SlotCall::kReset, {true, true, false, true}, false},
+    {SlotCall::kAdmit, {false, false, false, false, false, false, false, false}},
+    {SlotCall::kPrepare, {true, false, false, false, false, false, false, false}},
+    {SlotCall::kStep, {false, true, false, false, false, false, false, false}},
+    {SlotCall::kCancel, {true, true, true, true, true, true, true, false}},
+    {SlotCall::kFinish, {true, true, true, true, true, true, false, false}},
+    {SlotCall::kDiagnostics, {false, false, false, false, false, false, false, true}},
+    {SlotCall::kReset, {true, true, false, true, true, false, false, true}},
 }};
 
 constexpr bool IsIndexedByCall() {
@@ -39,6 +38,13 @@ static_assert(IsIndexedByCall(), "kTable's rows follow SlotCall's order");
 const Rule& RuleOf(SlotCall call) { return kTable[static_cast<size_t>(call)]; }
 
 std::string SlotName(int64_t slot_id) { return "slot " + std::to_string(slot_id); }
+
+// What a refusal adds to the state's name: a Finish under way, or how the run ended.
+std::string Why(const SlotView& slot) {
+  if (SubStateOf(slot) == SubState::kFinishing) return " and already being finished";
+  if (slot.is_ended) return " and its run ended (" + slot.ended_reason + ")";
+  return "";
+}
 
 }  // namespace
 
@@ -65,15 +71,27 @@ const char* CallName(SlotCall call) {
   return "?";
 }
 
-bool IsAllowed(SlotCall call, SlotState state, bool is_ended) {
-  const Rule& rule = RuleOf(call);
-  return rule.allowed[static_cast<size_t>(state)] && !(is_ended && rule.needs_live_run);
+SubState SubStateOf(const SlotView& slot) {
+  if (slot.state == SlotState::kFinished) return SubState::kFinished;
+  if (slot.is_finishing) return SubState::kFinishing;
+  switch (slot.state) {
+    case SlotState::kAdmitted:
+      return slot.is_ended ? SubState::kAdmittedEnded : SubState::kAdmitted;
+    case SlotState::kPrepared:
+      return slot.is_ended ? SubState::kPreparedEnded : SubState::kPrepared;
+    default:
+      return slot.is_ended ? SubState::kEnded : SubState::kRunning;
+  }
 }
 
-std::string AllowedCalls(SlotState state, bool is_ended) {
+bool IsAllowed(SlotCall call, SubState sub) {
+  return RuleOf(call).allowed[static_cast<size_t>(sub)];
+}
+
+std::string AllowedCalls(SubState sub) {
   std::string out;
   for (const Rule& rule : kTable) {
-    if (!IsAllowed(rule.call, state, is_ended)) continue;
+    if (!IsAllowed(rule.call, sub)) continue;
     if (!out.empty()) out += ", ";
     out += CallName(rule.call);
   }
@@ -102,17 +120,11 @@ Status CheckCall(SlotCall call, int64_t slot_id, const SlotView* slot) {
                   "Admit is not allowed: " + SlotName(slot_id) + " already exists in state " +
                       state + "; Reset it before admitting a new request into it");
   }
-  if (!IsAllowed(call, slot->state, slot->is_ended)) {
-    const std::string how =
-        slot->is_ended ? " and its run ended (" + slot->ended_reason + ")" : "";
+  const SubState sub = SubStateOf(*slot);
+  if (!IsAllowed(call, sub)) {
     return Status(StatusCode::FAILED_PRECONDITION,
-                  name + " is not allowed: " + SlotName(slot_id) + " is " + state + how +
-                      "; allowed now: " + AllowedCalls(slot->state, slot->is_ended));
-  }
-  if (call == SlotCall::kFinish && slot->is_finishing) {
-    return Status(StatusCode::FAILED_PRECONDITION,
-                  "Finish is not allowed: " + SlotName(slot_id) + " is " + state +
-                      " and already being finished");
+                  name + " is not allowed: " + SlotName(slot_id) + " is " + state + Why(*slot) +
+                      "; allowed now: " + AllowedCalls(sub));
   }
   return Status::OK;
 }
