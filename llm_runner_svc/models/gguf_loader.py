@@ -19,8 +19,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HfTokenizer
 
 from llm_runner_svc.errors import ModelFormatError, NotFound, RunnerError, Unimplemented
-from llm_runner_svc.models import Model  # safe: the package imports this module lazily
 from llm_runner_svc.models.chat import ChatTemplate
+from llm_runner_svc.models.model import Model
 from llm_runner_svc.models.spec import LayerWeights, ModelConfig, ModelWeights, RopeStyle
 from llm_runner_svc.models.tokenizer import Tokenizer
 

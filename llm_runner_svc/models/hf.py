@@ -19,8 +19,8 @@ from jinja2 import TemplateError
 from safetensors import SafetensorError, safe_open
 
 from llm_runner_svc.errors import ModelFormatError, NotFound, Unimplemented
-from llm_runner_svc.models import Model
 from llm_runner_svc.models.chat import ChatTemplate
+from llm_runner_svc.models.model import Model
 from llm_runner_svc.models.spec import LayerWeights, ModelConfig, ModelWeights, RopeStyle
 from llm_runner_svc.models.tokenizer import Tokenizer
 

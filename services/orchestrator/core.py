@@ -51,7 +51,7 @@ class Orchestrator:
         self.num_running = 0
         self.num_queued = 0
         self._slots = asyncio.Semaphore(topology.max_running)
-        self.metrics = OrchestratorMetrics(self)
+        self.metrics = OrchestratorMetrics(self.state)
 
     async def start(self, wait_s: float = 30.0) -> None:
         """Describe every replica (waiting up to `wait_s` for them to come up); refuse a

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.metrics import LATENCY_BUCKETS
 
-if TYPE_CHECKING:
-    from services.orchestrator.core import Orchestrator
+State = Callable[[], Mapping[str, int]]
 
 
 class OrchestratorMetrics:
-    def __init__(self, orchestrator: Orchestrator) -> None:
+    """Counters and histograms fed per request; gauges read `state()` (the orchestrator's
+    state accounting: runs, running, queued, in_flight, step_streams, stream_members)."""
+
+    def __init__(self, state: State) -> None:
         r = self.registry = CollectorRegistry()
         b = LATENCY_BUCKETS
         self.requests = Counter("llmstage_orchestrator_requests_total",
@@ -27,16 +29,16 @@ class OrchestratorMetrics:
         self.queue = Histogram("llmstage_orchestrator_queue_time_seconds",
                                "Time waiting for admission", registry=r, buckets=b)
         Gauge("llmstage_orchestrator_requests_running", "Requests generating",
-              registry=r).set_function(lambda: orchestrator.num_running)
+              registry=r).set_function(functools.partial(_read, state, "running"))
         Gauge("llmstage_orchestrator_requests_waiting", "Requests queued for admission",
-              registry=r).set_function(lambda: orchestrator.num_queued)
-        state = Gauge("llmstage_orchestrator_state",
+              registry=r).set_function(functools.partial(_read, state, "queued"))
+        held = Gauge("llmstage_orchestrator_state",
                       "What the orchestrator holds now, by kind: runs, in_flight (slots on "
                       "replicas), step_streams (open Step streams), stream_members",
                       ["kind"], registry=r)
         for kind in ("runs", "in_flight", "step_streams", "stream_members"):
-            state.labels(kind).set_function(functools.partial(_read, orchestrator, kind))
+            held.labels(kind).set_function(functools.partial(_read, state, kind))
 
 
-def _read(orchestrator: Orchestrator, kind: str) -> float:
-    return orchestrator.state()[kind]
+def _read(state: State, kind: str) -> float:
+    return state()[kind]
