@@ -10,7 +10,8 @@ import asyncio
 import logging
 
 from llm_runner_svc.servicer import SERVICE_NAME, StageServicer
-from llm_runner_svc.stage import LlmStage, StageConfig
+from llm_runner_svc.stage import LlmStage
+from llm_runner_svc.stage.llm_stage import RuntimeFactory, StageConfig
 from services.contract.llmstage.v1 import stage_pb2_grpc
 from services.metrics import serve_metrics
 from services.server import ServerHandle, ServerOptions, create_server, serve_until_signal
@@ -20,9 +21,12 @@ log = logging.getLogger(__name__)
 
 
 async def create_stage_server(config: StageConfig, options: ServerOptions,
-                              slot_ttl_s: float = 600.0) -> tuple[ServerHandle, LlmStage]:
-    """Load the model, preallocate, start the decode loop and the server."""
-    stage = LlmStage.create(config, slot_ttl_s, options.max_message_bytes)
+                              slot_ttl_s: float = 600.0,
+                              runtime_factory: RuntimeFactory | None = None
+                              ) -> tuple[ServerHandle, LlmStage]:
+    """Load the model, preallocate, start the decode loop and the server. `runtime_factory`
+    builds the runtime (default: the plain one, or LLM_RUNNER_FAULTS's faulty one)."""
+    stage = LlmStage.create(config, slot_ttl_s, options.max_message_bytes, runtime_factory)
     await stage.start()
     try:
         handle = await create_server(

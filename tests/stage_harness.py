@@ -28,19 +28,21 @@ class StageServer:
     """`with StageServer(config) as srv:` starts the service on port 0; `srv.stub` calls it."""
 
     def __init__(self, config: StageConfig | None = None, slot_ttl_s: float = 600.0,
-                 **options: Any) -> None:
+                 runtime_factory: Any = None, **options: Any) -> None:
         self.config = config or StageConfig(max_seq=512)
         if self.config.engine == "numpy" and TEST_ENGINE != "numpy":
             self.config = dataclasses.replace(self.config, engine=TEST_ENGINE)
         self.options = ServerOptions(port=0, **options)
         self.slot_ttl_s = slot_ttl_s
+        self.runtime_factory = runtime_factory
 
     def __enter__(self) -> StageServer:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.handle, self.stage = self.run(
-            create_stage_server(self.config, self.options, self.slot_ttl_s), 120)
+            create_stage_server(self.config, self.options, self.slot_ttl_s,
+                                self.runtime_factory), 120)
         self.port = self.handle.port
         self.channel = grpc.insecure_channel(
             f"127.0.0.1:{self.port}",

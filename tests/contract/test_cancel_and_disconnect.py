@@ -127,7 +127,7 @@ def test_hundred_disconnects_leak_nothing(server: StageServer, stories: Model) -
     stream.half_close()
 
 
-def test_slow_reader_holds_the_loop(server: StageServer, stories: Model) -> None:
+def test_slow_reader_holds_its_member(server: StageServer, stories: Model) -> None:
     spec = dict(text="The dog", temperature=0.5, seed=4, max_tokens=100, ignore_eos=True)
     server.admit_prepare(40, **spec)
     steps0 = server.stats()["steps"]
@@ -153,3 +153,15 @@ def test_window_beyond_the_limit_fails_the_stream(server: StageServer) -> None:
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert str(limit) in err.value.details()
     assert server.wait_idle()["slots"] == 0  # the broken stream freed its member
+
+
+def test_a_stream_cancelled_after_its_members_ended_frees_them(server: StageServer) -> None:
+    # Nobody will call Finish for members of a stream the client cancelled, even when every
+    # member had already ended when it did (the call may end the way a half-close does).
+    for i in range(24):
+        server.admit_prepare(i, text="Once upon a time", max_tokens=3, ignore_eos=True)
+        stream = server.step([i], credits=16)
+        stream.collect({i})
+        stream.cancel()
+        idle = server.wait_idle(5.0)
+        assert idle["slots"] == 0 and idle["kv_pages_free"] == idle["kv_pages_total"], i
