@@ -170,10 +170,9 @@ class StageCore:
         """The stream ended. After a clean end its members await Finish as usual; after a
         break (disconnect, deadline, error) nobody will call Finish, so members still running
         are cancelled and freed when their run ends, and ended ones are freed now."""
-        if cohort.is_closed:
-            return
-        cohort.is_closed = True
-        self.loop.cohorts.discard(cohort)
+        if not cohort.is_closed:
+            cohort.is_closed = True
+            self.loop.cohorts.discard(cohort)
         if is_broken:
             for slot in list(cohort.joined.values()):
                 if self.slots.get(slot.slot_id) is not slot:

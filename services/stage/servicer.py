@@ -67,10 +67,7 @@ class StageServicerBase(stage_pb2_grpc.StageServicer):
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
-            # A cancelled call can end the request iterator as a half-close would: a stream
-            # the client cancelled is broken however its events ended, or members that had
-            # already ended would wait for a Finish nobody sends.
-            self.core.close_cohort(cohort, is_broken=not is_complete or context.cancelled())
+            self.core.close_cohort(cohort, is_broken=not is_complete)
 
     async def _read_controls(self, request_iterator: AsyncIterator[pb.StepRequest],
                              cohort: Cohort) -> None:
