@@ -29,7 +29,8 @@ from llm_runner_svc.stage.runner_keys import ConfigError, check_runner_keys
 RUNNER = "llm.backbone"
 _BUILTIN = ("stories260K", "smollm2")
 _STAGE_KEYS = {"id", "runner", "artifact", "engine", "emits", "inputs", "maxBatch", "maxSeq",
-               "config", "ports", "maxQueued", "maxTokensInFlight", "device"}
+               "config", "ports", "maxQueued", "maxTokensInFlight", "device",
+               "creditIdleTimeoutS"}
 _PORT_KEYS = {"policy", "buffer", "shmRingBytes"}
 _INPUTS = ("request:text", "request:messages", "request:token_ids")
 _EMITS = ("text", "tokens", "hidden")
@@ -56,6 +57,7 @@ class StageConfig:
     shm_ring_bytes: int = 64 << 20  # shared-memory ring per subscriber using that transport
     max_queued: int = 0  # admitted requests not yet decoding, beyond which Admit refuses (0 = off)
     max_tokens_in_flight: int = 0  # sum of prompt + max new tokens of unended runs (0 = off)
+    credit_idle_timeout_s: float = 60.0  # a Step stream out of credit this long is ended
 
     engine_dir: str = ""  # a build-engine directory the engine loads its plan from
     runtime_cache: str = ""  # the tensorrt engine's runtime cache file (read at start, saved)
@@ -80,6 +82,9 @@ class StageConfig:
         if self.max_queued < 0 or self.max_tokens_in_flight < 0:
             raise ConfigError(f"maxQueued and maxTokensInFlight must be >= 0 (0 = no limit), "
                               f"got {self.max_queued} and {self.max_tokens_in_flight}")
+        if not self.credit_idle_timeout_s > 0:
+            raise ConfigError(f"creditIdleTimeoutS must be a number of seconds > 0, got "
+                              f"{self.credit_idle_timeout_s}")
         if self.engine not in engine_names():
             raise ConfigError(f"engine {self.engine!r} is unknown; valid: {engine_names()}")
         if self.device and self.engine != "torch":
@@ -159,6 +164,7 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
         shm_ring_bytes=_typed(hidden, "shmRingBytes", int, 64 << 20, "ports.hidden."),
         max_queued=_typed(raw, "maxQueued", int, 0),
         max_tokens_in_flight=_typed(raw, "maxTokensInFlight", int, 0),
+        credit_idle_timeout_s=float(_typed(raw, "creditIdleTimeoutS", float, 60.0)),
         device=_typed(raw, "device", str, ""))
 
 
@@ -188,10 +194,12 @@ def _graph_plan_keys(artifact: str, engine: str, cfg: Mapping[str, Any]) -> tupl
 
 
 def _typed(raw: Mapping[str, Any], key: str, kind: type, default: Any, prefix: str = "") -> Any:
+    """raw[key] if it is a `kind` (float takes any JSON number; bool is no number)."""
     if key not in raw:
         return default
     value = raw[key]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    accepted = (int, float) if kind is float else kind
+    if not isinstance(value, accepted) or (kind in (int, float) and isinstance(value, bool)):
         raise ConfigError(f"{prefix}{key}: must be a {kind.__name__}, got {value!r}")
     return value
 

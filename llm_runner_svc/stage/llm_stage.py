@@ -49,7 +49,7 @@ class LlmStage(StageCore):
 
     def __init__(self, config: StageConfig, model: Model, runtime: InferenceRuntime,
                  slot_ttl_s: float = 600.0, max_message_bytes: int = 16 << 20) -> None:
-        super().__init__(runtime, slot_ttl_s)
+        super().__init__(runtime, slot_ttl_s, config.credit_idle_timeout_s)
         self.config = config
         self.model = model
         self.runtime = runtime

@@ -11,6 +11,7 @@ when the window emptied, or terminal updates, which need no credit.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -58,6 +59,7 @@ class Cohort:
         self.member_credits: dict[int, int] = {}  # slot id -> its own window, when it has one
         self.is_client_done = False
         self.is_closed = False
+        self._out_since: float | None = None  # when the window last ran dry
         self._wake = wake
         self._queue: asyncio.Queue[CohortEvent | None] = asyncio.Queue()
         self._refused: list[JoinRefusal] = []
@@ -70,6 +72,8 @@ class Cohort:
                 f"credit window would reach {self.credits + credits}; the most a Step stream "
                 f"may hold is {self.max_window}")
         self.credits += credits
+        if self.credits:
+            self._out_since = None
         if self._refused and self.credits:
             self.deliver(CohortEvent(self._last_step))
         self._wake()
@@ -92,7 +96,14 @@ class Cohort:
         own = self.member_credits.get(slot_id)
         return self.credits if own is None else min(self.credits, own)
 
+    @property
+    def starved_since(self) -> float | None:
+        """Since when live members have waited on a window the client has not refilled."""
+        return self._out_since if self.members and not self.credits else None
+
     def add(self, slot: Slot) -> None:
+        if not self.members and not self.credits:
+            self._out_since = time.monotonic()  # waiting starts with its first member
         self.members[slot.slot_id] = slot
         self.joined[slot.slot_id] = slot
 
@@ -125,6 +136,8 @@ class Cohort:
         self._refused.clear()
         self._last_step = event.step
         self.credits = max(0, self.credits - 1)
+        if not self.credits and self._out_since is None:
+            self._out_since = time.monotonic()
         for m in event.members:
             own = self.member_credits.get(m.slot_id)
             if own is not None and m.token_ids:

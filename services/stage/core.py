@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.errors import InvalidArgument, ServiceError, Unavailable
+from services.errors import DeadlineExceeded, InvalidArgument, ServiceError, Unavailable
 from services.stage.cohort import Cohort, JoinRefusal
 from services.stage.ending import FinishReason
 from services.stage.slot import Slot, SlotState
@@ -56,14 +56,17 @@ def core_diagnostics(snap: CoreSnapshot) -> dict[str, Any]:
 class StageCore:
     """Call `start()` before use and `close()` after."""
 
-    def __init__(self, stepper: Stepper, slot_ttl_s: float = 600.0) -> None:
+    def __init__(self, stepper: Stepper, slot_ttl_s: float = 600.0,
+                 credit_idle_timeout_s: float = 60.0) -> None:
         self.stepper = stepper
         self.slots = SlotMachine()
         self.slot_ttl_s = slot_ttl_s
+        self.credit_idle_timeout_s = credit_idle_timeout_s
         self.is_draining = False
         self._runs: dict[str, Slot] = {}  # runtime id -> slot, from join until forgotten
         self.loop = StepLoop(stepper, self._runs.get, self._run_ended, self._after_step)
         self._reaper: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
 
     # ---- what a stage supplies ---------------------------------------------------------
     def _prepare(self, slot: Slot) -> None:
@@ -87,13 +90,16 @@ class StageCore:
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         self.loop.start()
-        self._reaper = asyncio.get_running_loop().create_task(self._reap_idle())
+        loop = asyncio.get_running_loop()
+        self._reaper = loop.create_task(self._reap_idle())
+        self._watcher = loop.create_task(self._end_starved_streams())
 
     async def close(self) -> None:
-        """Stop the reaper and the loop. Idempotent."""
-        if self._reaper is not None:
-            self._reaper.cancel()
-            self._reaper = None
+        """Stop the reaper, the credit watcher and the loop. Idempotent."""
+        for task in (self._reaper, self._watcher):
+            if task is not None:
+                task.cancel()
+        self._reaper = self._watcher = None
         await self.loop.close()
 
     def begin_drain(self) -> None:
@@ -277,6 +283,23 @@ class StageCore:
         self._runs.pop(slot.runtime_id, None)
         if isinstance(slot.run.cohort, Cohort):
             slot.run.cohort.forget(slot)
+
+    async def _end_starved_streams(self) -> None:
+        """End every Step stream whose members wait on credit its client has not granted for
+        credit_idle_timeout_s: its members are held meanwhile, and a client that never reads
+        must not hold their slots and KV pages for ever."""
+        limit = self.credit_idle_timeout_s
+        while True:
+            await asyncio.sleep(max(0.02, limit / 8))
+            now = time.monotonic()
+            for cohort in list(self.loop.cohorts):
+                since = cohort.starved_since
+                if since is not None and now - since > limit and not cohort.is_closed:
+                    log.warning("a Step stream granted no credit for %.1f s; ending it", limit)
+                    cohort.fail(DeadlineExceeded(
+                        f"the Step stream granted no credit for {limit:g} s "
+                        "(creditIdleTimeoutS) while its members waited; it is ended and its "
+                        "members cancelled"))
 
     async def _reap_idle(self) -> None:
         """Free slots nobody touched for slot_ttl_s (a caller that vanished between calls)."""

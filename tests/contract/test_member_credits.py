@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
+import pytest
 from stage_harness import StageServer, StepStream
 
+from llm_runner_svc.stage import StageConfig
 from services.contract.llmstage.v1 import stage_pb2 as pb
 
 SLOW = dict(text="Once upon a time", max_tokens=120, ignore_eos=True, seed=5, temperature=0.8)
@@ -77,3 +80,17 @@ def test_a_stream_that_stops_reading_holds_only_its_own_members(server: StageSer
     stalled.cancel()  # a broken stream frees its member: nobody will call Finish for it
     idle = server.wait_idle()
     assert idle["slots"] == 0 and idle["kv_pages_free"] == idle["kv_pages_total"]
+
+
+def test_a_stream_that_grants_no_credit_for_the_idle_timeout_is_ended() -> None:
+    config = StageConfig(max_seq=512, credit_idle_timeout_s=0.3)
+    with StageServer(config) as srv:
+        srv.admit_prepare(1, **SLOW)
+        stalled = StepStream(srv.stub, [1], 1)
+        stalled.next()  # the one credit spent; the client grants no more
+        with pytest.raises(grpc.RpcError) as err:
+            stalled.next()
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "creditIdleTimeoutS" in err.value.details()
+        idle = srv.wait_idle()  # its member was cancelled and freed
+        assert idle["slots"] == 0 and idle["kv_pages_free"] == idle["kv_pages_total"]
