@@ -229,8 +229,9 @@ class RequestRun:
             self._return_credits()  # all read: nothing else will hand these back
         if self.deadline is None:
             return await self._updates.get()
+        remaining = self._remaining()  # raises once the deadline has passed
         try:
-            return await asyncio.wait_for(self._updates.get(), self._remaining())
+            return await asyncio.wait_for(self._updates.get(), remaining)
         except TimeoutError:
             raise DeadlineExceeded(f"request {self.request_id}: deadline exceeded while "
                                    "generating") from None
