@@ -60,8 +60,10 @@ def copy_bandwidth() -> float:
     return 10 * 2 * src.nbytes / (start.elapsed_time(end) / 1000)
 
 
-def hf_model(config: ModelConfig) -> torch.nn.Module:
-    """A transformers Qwen2 model of `config`'s shape, random bf16 weights, on the GPU."""
+def hf_model(config: ModelConfig, device: str = "cuda",
+             dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """A transformers Qwen2 model of `config`'s shape, random weights (bf16 on the GPU by
+    default)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     hcfg = Qwen2Config(
@@ -70,13 +72,13 @@ def hf_model(config: ModelConfig) -> torch.nn.Module:
         num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
         max_position_embeddings=config.max_position, rope_theta=config.rope_theta,
         rms_norm_eps=config.rms_eps, tie_word_embeddings=config.tie_embeddings)
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
-        with torch.device("cuda"):
+        with torch.device(device):
             model = Qwen2ForCausalLM(hcfg).eval()
     finally:
         torch.set_default_dtype(torch.float32)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -2,12 +2,14 @@
 # The whole GPU run in one call on a machine with a CUDA GPU and no network: install the
 # carried wheels (.whl/), rebuild SmolLM2's GGUF when both of its halves are there (the
 # 94 MiB file is more than one transfer takes), run the GPU tests (parity, kernels,
-# allocation), then the benchmark. Logs and JSON go to $OUT.
+# allocation, prefill), then the benchmarks. Logs and JSON go to $OUT.
 # A call's carried paths replace the previous call's, so the halves travel in two calls to
 # one held machine: the first carries .gpu/a and runs with STASH=1, which keeps the half in
 # $PARTS (outside the working tree) and stops; the second carries .gpu/b and the wheels.
-#   PYTEST_ARGS: extra pytest arguments (e.g. -k smollm2); BENCH=0 skips the benchmark;
-#   BENCH_ARGS: arguments for benchmarks/bench_gpu.py.
+#   PYTEST_ARGS: extra pytest arguments (e.g. -k smollm2); TESTS=0 skips the tests;
+#   PREFILL=0 skips benchmarks/bench_prefill.py (TTFT and the stall while a long prompt
+#   joins), PREFILL_ARGS: its arguments; BENCH=0 skips benchmarks/bench_gpu.py (decode),
+#   BENCH_ARGS: its arguments.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -31,8 +33,15 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --f
     | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton, transformers, grpc; print(torch.__version__, triton.__version__,
 transformers.__version__, grpc.__version__)' | tee -a "$OUT/gpu.txt"
-timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -o addopts="-ra -rP" \
-    tests/unit/test_torch_gpu.py "${deselect[@]}" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.txt"
+if [ "${TESTS:-1}" = 1 ]; then
+    timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -q -p no:cacheprovider -o addopts="-ra -rP" \
+        tests/unit/test_torch_gpu.py "${deselect[@]}" ${PYTEST_ARGS:-} 2>&1 \
+        | tee "$OUT/gpu_tests.txt"
+fi
+if [ "${PREFILL:-1}" = 1 ]; then
+    python3 benchmarks/bench_prefill.py --json "$OUT/bench_prefill.json" ${PREFILL_ARGS:-} 2>&1 \
+        | tee "$OUT/bench_prefill.txt"
+fi
 if [ "${BENCH:-1}" = 1 ]; then
     python3 benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json" ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/bench_gpu.txt"

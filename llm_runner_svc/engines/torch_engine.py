@@ -4,12 +4,18 @@ On the CPU it computes in float32 with plain torch operations (the same numbers 
 reference). On CUDA it holds bf16 weights and KV (float32 residual stream, logits and
 sampling), runs the elementwise and attention steps as fused Triton kernels, and replays each
 decode step as a CUDA graph captured per batch-size bucket in `preallocate()`. At batch 1
-(`fused_rows`) and in prefill the products take float32 activations with the norms and
-epilogues fused around them (torch_triton_products.py). Attention reads only the filled pages
-of each row. A decode step's one host synchronisation is the copy of its new token ids, and it
-can be chained: a decode may take the previous decode's picks where they lie on the device,
-so the runtime queues step n+1 before it waits for step n. Hidden states stay staged on the
-device unless a row asked for them.
+(`fused_rows`) and in prefill batches of up to `fused_prefill_rows` tokens the products take
+float32 activations with the norms and epilogues fused around them
+(torch_triton_products.py); longer prefill batches multiply on cuBLAS in bf16 at the tensor
+cores' full rate, and attend with one FlashAttention-style launch over the paged pool
+(torch_triton_prefill.py). Decode attention reads only the filled pages of each row. A
+decode step's one host synchronisation is the copy of its new token ids, and it can be
+chained: a decode may take the previous decode's picks where they lie on the device, so the
+runtime queues step n+1 before it waits for step n. Hidden states stay staged on the device
+unless a row asked for them.
+
+`prefill_batch` runs chunks of several requests (each some new tokens after the positions
+already in its pages) in one forward; `prefill` is one request's prompt, chunk by chunk.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from llm_runner_svc.engines.numpy_sampling import sample_rows
 from llm_runner_svc.engines.torch_forward import Forward, has_float32_products
 from llm_runner_svc.engines.torch_graphs import DecodeGraphs, InputStager
 from llm_runner_svc.engines.torch_ops import TorchOps
+from llm_runner_svc.engines.torch_prefill import PrefillChunk, PrefillStager
 from llm_runner_svc.engines.torch_sampling import apply_logit_bias, sample_on_device
 from llm_runner_svc.engines.torch_state import allocate_state, decode_views
 from llm_runner_svc.engines.torch_weights import TorchWeights, load_weights
@@ -45,6 +52,9 @@ from llm_runner_svc.models.spec import ModelConfig, ModelWeights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 FUSED_ROWS = 1  # batch 1; the fused kernel's few-row variants lose to cuBLAS
+# Prefill batches up to this many tokens keep float32 activations (the parity tests' windows
+# among them); past it cuBLAS's bf16 products are what makes a long prompt fast.
+FUSED_PREFILL_ROWS = 64
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -68,14 +78,17 @@ class TorchEngine(Engine):
 
     def __init__(self, config: ModelConfig, weights: ModelWeights | TorchWeights,
                  device: str | torch.device | None = None, dtype: str | None = None,
-                 kernels: str = "auto", fused_rows: int = FUSED_ROWS) -> None:
+                 kernels: str = "auto", fused_rows: int = FUSED_ROWS,
+                 fused_prefill_rows: int = FUSED_PREFILL_ROWS) -> None:
         """`dtype`: "float32" or "bfloat16" (default: bf16 on CUDA, float32 on the CPU).
         `kernels`: "triton" (the CUDA default: fused kernels, decode steps as CUDA graphs), or
         "torch" for the plain reference ops, run eagerly.
         `fused_rows`: with triton kernels and bf16 weights, decode batches of at most this
         many rows (and every prefill window) run on the fused products of
         torch_triton_products.py, but for matrices past its GEMV_LIMITS; larger batches on
-        cuBLAS. 0 turns the fused products off."""
+        cuBLAS. 0 turns the fused products off.
+        `fused_prefill_rows`: prefill batches of at most this many tokens do too (every
+        product); longer ones multiply on cuBLAS with bf16 activations."""
         self.config = config
         self.device = resolve_device(device)
         default = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -87,9 +100,11 @@ class TorchEngine(Engine):
         if kernels not in ("triton", "torch"):
             raise InvalidArgument(f"kernels {kernels!r}: 'triton' or 'torch'")
         self.kernels = kernels
-        if fused_rows < 0:
-            raise InvalidArgument(f"fused_rows {fused_rows}: must be 0 or more")
+        if fused_rows < 0 or fused_prefill_rows < 0:
+            raise InvalidArgument(f"fused_rows {fused_rows}, fused_prefill_rows "
+                                  f"{fused_prefill_rows}: must be 0 or more")
         self.fused_rows = fused_rows
+        self.fused_prefill_rows = fused_prefill_rows
         self.weights = weights if isinstance(weights, TorchWeights) else load_weights(
             weights, config, self.device, self.dtype)
         self._plan: EnginePlan | None = None
@@ -110,9 +125,14 @@ class TorchEngine(Engine):
         has_f32 = has_float32_products(self.device, self.dtype)
         has_fused = (self.kernels == "triton" and self.dtype == torch.bfloat16
                      and self.fused_rows > 0)
-        self.state = allocate_state(c, plan, plan.max_batch, self.device, self.dtype,
-                                    has_wide_scratch=not has_f32, has_fused=has_fused)
-        self._bytes = self.state.nbytes
+        self.state = allocate_state(
+            c, plan, plan.max_batch, self.device, self.dtype, has_wide_scratch=not has_f32,
+            fused_rows=max(self.fused_rows, self.fused_prefill_rows) if has_fused else 0)
+        self.prefill_stager = PrefillStager(
+            max_tokens=max(plan.max_batch, plan.prefill_chunk), max_chunks=plan.max_batch,
+            pages=self.state.pages_per_seq, page_size=plan.page_size,
+            scratch_page=plan.num_pages, device=self.device)
+        self._bytes = self.state.nbytes + self.prefill_stager.nbytes
         ops = TorchOps(c, plan.page_size)
         if self.kernels == "triton":
             from llm_runner_svc.engines.torch_triton import TritonOps
@@ -122,7 +142,8 @@ class TorchEngine(Engine):
             ops = TritonOps(c, plan.page_size, num_sms, has_fused)
             self._bytes += ops.reserve(plan.max_batch, plan.max_seq, self.device)
         self.forward = Forward(c, self.weights, ops, self.state, plan.hidden_layer,
-                               plan.page_size, has_f32, self.fused_rows)
+                               plan.page_size, has_f32, self.fused_rows,
+                               self.fused_prefill_rows)
         self.stager = InputStager(self.state, scratch_page=plan.num_pages)
         self.graphs: DecodeGraphs | None = None
         self._plan = plan
@@ -143,7 +164,7 @@ class TorchEngine(Engine):
             return
         if self.graphs is not None:
             self.graphs.close()
-        for name in ("graphs", "stager", "forward", "state"):
+        for name in ("graphs", "stager", "prefill_stager", "forward", "state"):
             delattr(self, name)
         self._plan = None
         self._bytes = 0
@@ -162,29 +183,40 @@ class TorchEngine(Engine):
     def prefill(self, token_ids: Sequence[int], start_pos: int, page_table: Sequence[int],
                 capture_hidden: bool = False) -> HiddenStates | None:
         plan = self._need_plan()
-        n_total = len(token_ids)
-        check_prefill_fits(plan, n_total, start_pos)
-        check_token_ids(self.config, token_ids)
-        s = self.state
-        m = min(len(page_table), s.prefill_table.shape[1])
-        s.prefill_table[0, :m].copy_(torch.as_tensor(list(page_table[:m]), dtype=torch.int32))
-        caps: list[tuple[np.ndarray, np.ndarray]] = []
-        n = 0
-        for lo in range(0, n_total, plan.prefill_chunk):
-            chunk = token_ids[lo:lo + plan.prefill_chunk]
-            n = len(chunk)
-            s.prefill_ids[:n].copy_(torch.as_tensor(list(chunk), dtype=torch.int64))
-            self.forward.prefill_chunk(n, start_pos + lo, capture_hidden)
-            if capture_hidden:
-                caps.append((_host_copy(s.cap_emb[:n]), _host_copy(s.cap_state[:n])))
-        self.forward.head(n - 1, 1, self.forward.fuses(1, is_decode=False))
-        self._greedy_ready = False
-        self._last_batch = 0  # the picks a chained decode would read are overwritten
+        check_prefill_fits(plan, len(token_ids), start_pos)
+        parts = [self.prefill_batch([PrefillChunk(token_ids[lo:lo + plan.prefill_chunk],
+                                                  start_pos + lo, page_table)],
+                                    capture_hidden)[0]
+                 for lo in range(0, len(token_ids), plan.prefill_chunk)]
         if not capture_hidden:
             return None
-        return HiddenStates(embeddings=np.concatenate([e for e, _ in caps]),
-                            states=np.concatenate([st for _, st in caps]),
+        caps = [p for p in parts if p is not None]
+        return HiddenStates(embeddings=np.concatenate([p.embeddings for p in caps]),
+                            states=np.concatenate([p.states for p in caps]),
                             start_position=start_pos)
+
+    def prefill_batch(self, chunks: Sequence[PrefillChunk], capture_hidden: bool = False
+                      ) -> list[HiddenStates | None]:
+        """One forward over `chunks` (each some new tokens of one request after the
+        positions already in its pages; together at most max(maxBatch, prefill_chunk)
+        tokens in at most maxBatch chunks): their k and v go into the pool and logits row i
+        is chunk i's last token's. Returns, per chunk, its window's states when
+        `capture_hidden` (a plan with a hidden layer), else None."""
+        plan = self._need_plan()
+        num_tokens = self.prefill_stager.check(chunks, plan.max_seq)
+        for ch in chunks:
+            check_token_ids(self.config, ch.token_ids)
+        layout = self.prefill_stager.stage(chunks, self.forward.ops.prefill_block(num_tokens))
+        capture = capture_hidden and plan.hidden_layer is not None
+        self.forward.prefill(layout, capture)
+        self._greedy_ready = False
+        self._last_batch = 0  # the picks a chained decode would read are overwritten
+        if not capture:
+            return [None] * len(chunks)
+        s = self.state
+        emb, states = _host_copy(s.cap_emb[:num_tokens]), _host_copy(s.cap_state[:num_tokens])
+        return [HiddenStates(emb[first:first + n], states[first:first + n], start)
+                for first, n, start in layout.spans]
 
     def decode(self, rows: Sequence[DecodeRow]) -> list[HiddenStates | None]:
         plan = self._need_plan()

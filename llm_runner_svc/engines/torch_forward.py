@@ -1,10 +1,11 @@
 """The decoder forward of the torch engine over its run state: one code path for CPU and GPU,
-for prefill windows and decode batches. Nothing here allocates on the device: every result
-lands in a `RunState` buffer, so a decode step can be captured as a CUDA graph.
+for prefill batches and decode batches. Nothing on the decode path allocates on the device:
+every result lands in a `RunState` buffer, so a decode step can be captured as a CUDA graph.
 
 The residual stream stays float32 whatever the compute dtype: each branch's product is
 accumulated into it in float32 (`addmm` with a float32 output where the device has it), so
-bf16 rounding enters once per product instead of compounding across layers.
+bf16 rounding enters once per product instead of compounding across layers. Which products
+also keep float32 activations (the fused products) depends on the rows: see `fuses`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from llm_runner_svc.engines.torch_ops import Rope, TorchOps, prefill_attention
+from llm_runner_svc.engines.torch_ops import Rope, TorchOps, pool_slots
+from llm_runner_svc.engines.torch_prefill import PrefillLayout
 from llm_runner_svc.engines.torch_state import RunState
 from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE
 from llm_runner_svc.engines.torch_weights import TorchWeights
@@ -42,7 +44,8 @@ def has_float32_products(device: torch.device, dtype: torch.dtype) -> bool:
 class Forward:
     def __init__(self, config: ModelConfig, weights: TorchWeights, ops: TorchOps,
                  state: RunState, hidden_layer: int | None, page_size: int,
-                 has_f32_products: bool, fused_rows: int = 0) -> None:
+                 has_f32_products: bool, fused_rows: int = 0,
+                 fused_prefill_rows: int = 0) -> None:
         self.config = config
         self.weights = weights
         self.ops = ops
@@ -52,6 +55,7 @@ class Forward:
         self.has_f32_products = has_f32_products
         self.products = ops.products
         self.fused_rows = fused_rows
+        self.fused_prefill_rows = fused_prefill_rows
         self._ropes = [Rope(state.cos, state.sin, lw.q_norm, lw.k_norm) for lw in weights.layers]
 
     # ---- products --------------------------------------------------------------------
@@ -85,23 +89,28 @@ class Forward:
 
     def fuses(self, n: int, is_decode: bool) -> Callable[[torch.Tensor, int], bool]:
         """Which products of a forward of n rows run fused (`TritonOps.products`), as a
-        test of (weight, mode): every product of a prefill window (float32 activations, on
-        the tensor cores); in decode batches of up to `fused_rows`, the matrices the fused
-        matrix-vector kernel streams faster than cuBLAS plus the norm and SiLU kernels it
-        saves (`FusedProducts.outruns_cublas`). Everything else multiplies on cuBLAS."""
+        test of (weight, mode): every product of a prefill batch of up to
+        `fused_prefill_rows` tokens (float32 activations, on the tensor cores as bf16
+        pairs: float32-grade states, at up to twice a bf16 product's work, which a short
+        window does not notice: it reads the weights either way); in decode batches of up
+        to `fused_rows`, the matrices the fused matrix-vector kernel streams faster than
+        cuBLAS plus the norm and SiLU kernels it saves (`FusedProducts.outruns_cublas`).
+        Everything else multiplies on cuBLAS, activations in bf16 (a long prefill is
+        compute-bound, and there bf16 products run at the tensor cores' full rate)."""
         products = self.products
-        if products is None or (is_decode and n > self.fused_rows):
+        limit = self.fused_rows if is_decode else self.fused_prefill_rows
+        if products is None or n > limit:
             return lambda w, mode: False
         if not is_decode:
             return lambda w, mode: True
         return products.outruns_cublas
 
-    def layers(self, n: int, positions: torch.Tensor, tables: torch.Tensor, attend: Attend,
-               capture: bool, fused: Callable[[torch.Tensor, int], bool],
-               store_rope: bool = True) -> None:
-        """Every decoder layer over residual rows 0..n-1 at `positions` [n] whose pool pages
-        are tables [n, pages]. A fused product takes and leaves float32 activations.
-        `store_rope` False: `attend` rotates q and k and stores k and v itself."""
+    def layers(self, n: int, positions: torch.Tensor, slots: torch.Tensor | None,
+               attend: Attend, capture: bool, fused: Callable[[torch.Tensor, int], bool]
+               ) -> None:
+        """Every decoder layer over residual rows 0..n-1 at `positions` [n] whose k and v
+        go to pool rows `slots` [n] int64; None: `attend` rotates q and k and stores k and
+        v itself. A fused product takes and leaves float32 activations."""
         s, ops, products = self.s, self.ops, self.products
         x, h = s.x[:n], s.h[:n]
         for li, lw in enumerate(self.weights.layers):
@@ -116,8 +125,8 @@ class Forward:
                     torch.addmm(lw.qkv_bias, h, lw.qkv.t(), out=qkv)
                 else:
                     torch.mm(h, lw.qkv.t(), out=qkv)
-            if store_rope:
-                ops.rope_store(qkv, positions, tables, s.cos, s.sin, s.k_pool[li],
+            if slots is not None:
+                ops.rope_store(qkv, positions, slots, s.cos, s.sin, s.k_pool[li],
                                s.v_pool[li], lw.q_norm, lw.k_norm)
             o_fused = fused(lw.wo, ACCUMULATE)
             attn = s.attn_f[:n] if o_fused else s.attn[:n]
@@ -155,15 +164,16 @@ class Forward:
         else:
             self.s.cap_state[:n].copy_(x)
 
-    def head(self, first: int, n: int, fused: Callable[[torch.Tensor, int], bool]) -> None:
-        """Logits rows 0..n-1 from residual rows first..first+n-1."""
+    def head(self, x: torch.Tensor, fused: Callable[[torch.Tensor, int], bool]) -> None:
+        """Logits rows 0..n-1 from residual rows x [n, hidden] float32."""
+        n = x.shape[0]
         if fused(self.weights.lm_head, STORE):
             assert self.products is not None
-            self.products.norm_product(self.s.x[first:first + n], self.weights.final_norm,
-                                       self.weights.lm_head, None, self.s.logits[:n])
+            self.products.norm_product(x, self.weights.final_norm, self.weights.lm_head, None,
+                                       self.s.logits[:n])
             return
-        h = self.s.h[first:first + n]
-        self.ops.rms_norm(self.s.x[first:first + n], self.weights.final_norm, h)
+        h = self.s.h[:n]
+        self.ops.rms_norm(x, self.weights.final_norm, h)
         self._to_float32(h, self.weights.lm_head, self.s.logits[:n])
 
     def decode(self, batch: int, ids: torch.Tensor, positions: torch.Tensor,
@@ -176,22 +186,25 @@ class Forward:
                                       self._ropes[li])
 
         fused = self.fuses(batch, is_decode=True)
+        slots = (None if self.ops.ropes_in_decode_attention
+                 else pool_slots(positions, tables, self.page_size))
         self.embed(ids, batch, capture)
-        self.layers(batch, positions, tables, attend, capture, fused,
-                    store_rope=not self.ops.ropes_in_decode_attention)
-        self.head(0, batch, fused)
+        self.layers(batch, positions, slots, attend, capture, fused)
+        self.head(s.x[:batch], fused)
         self.ops.argmax(s.logits[:batch], s.next_ids[:batch])
 
-    def prefill_chunk(self, n: int, start: int, capture: bool) -> None:
-        """Positions start..start+n-1 of the request whose ids and page table are staged in
-        `prefill_ids` and `prefill_table`."""
-        s, c = self.s, self.config
-        positions = s.arange[start:start + n]
-        table = s.prefill_table.expand(n, -1)
+    def prefill(self, layout: PrefillLayout, capture: bool) -> None:
+        """Every chunk of a staged prefill batch: their k and v into the pool, causal
+        attention over each chunk's pages, and logits row i from chunk i's last token.
+        States of every token are staged when `capture`."""
+        s, n = self.s, layout.num_tokens
 
         def attend(li: int, qkv: torch.Tensor, out: torch.Tensor) -> None:
-            prefill_attention(c, qkv[:, :c.q_dim], s.k_pool[li], s.v_pool[li], positions,
-                              start + n, s.prefill_table[0], self.page_size, out)
+            self.ops.prefill_attention(qkv, s.k_pool[li], s.v_pool[li], layout, out)
 
-        self.embed(s.prefill_ids[:n], n, capture)
-        self.layers(n, positions, table, attend, capture, self.fuses(n, is_decode=False))
+        self.embed(layout.ids, n, capture)
+        self.layers(n, layout.positions, layout.slots, attend, capture,
+                    self.fuses(n, is_decode=False))
+        rows = len(layout.spans)
+        torch.index_select(s.x[:n], 0, layout.last, out=s.x_last[:rows])
+        self.head(s.x_last[:rows], self.fuses(rows, is_decode=False))

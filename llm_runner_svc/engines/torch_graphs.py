@@ -36,7 +36,7 @@ class InputStager:
             self._host = state.inputs
         self._host_np: np.ndarray = self._host.numpy()
         self._host_np[:] = scratch_page
-        self._pages = state.prefill_table.shape[1]
+        self._pages = state.pages_per_seq
         self._scratch = scratch_page
         self._bucket = 0
         self._rows: list[tuple[object, int] | None] = []  # (page list, its length) per row

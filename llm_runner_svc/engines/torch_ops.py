@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from llm_runner_svc.engines.torch_prefill import PrefillLayout
 from llm_runner_svc.models.spec import ModelConfig, RopeStyle
 
 
@@ -79,12 +80,12 @@ class TorchOps:
         gate, up = gate_up[:, :ffn].float(), gate_up[:, ffn:].float()
         out.copy_(gate / (1.0 + torch.exp(-gate)) * up)
 
-    def rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+    def rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
                    v_pool: torch.Tensor, q_norm: torch.Tensor | None,
                    k_norm: torch.Tensor | None) -> None:
         """Normalize (q/k norm models) and rotate q of qkv [n, q + 2 kv] in place; write the
-        rotated k and the v at each position's pool row. positions [n], tables [n, pages].
+        rotated k and the v at pool rows slots [n] (int64). positions [n].
         (The k part of qkv is left undefined.)"""
         c = self.config
         n = qkv.shape[0]
@@ -104,7 +105,6 @@ class TorchOps:
             a, b = x[..., :half], x[..., half:]
             rotated = torch.cat([a * cs - b * sn, b * cs + a * sn], dim=-1)
         qk.copy_(rotated)
-        slots = pool_slots(positions, tables, self.page_size)
         k_pool.index_copy_(0, slots, qkv[:, c.q_dim:c.q_dim + c.kv_dim])
         v_pool.index_copy_(0, slots, qkv[:, c.q_dim + c.kv_dim:])
 
@@ -131,22 +131,33 @@ class TorchOps:
         probs = torch.softmax(scores, dim=-1)
         out.copy_((probs @ vals.permute(0, 2, 1, 3)).reshape(b, c.q_dim))
 
+    def prefill_attention(self, qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                          layout: PrefillLayout, out: torch.Tensor) -> None:
+        """Causal attention of every chunk of a staged prefill batch: the q of qkv
+        [T, q + 2 kv] (rotated, its k and v already in the pool) over each chunk's pool rows
+        0 .. its last position; out [T, q_dim]. One chunk at a time, in float32."""
+        c = self.config
+        for i, (first, n, start) in enumerate(layout.spans):
+            q = qkv[first:first + n, :c.q_dim]
+            end = start + n
+            pages = layout.tables[i, :(end - 1) // self.page_size + 1]
+            rows = (pages[:, None] * self.page_size
+                    + torch.arange(self.page_size, device=q.device)).reshape(-1)
+            span = rows.shape[0]
+            keys = k_pool.index_select(0, rows).view(span, c.num_kv_heads, c.head_dim).float()
+            vals = v_pool.index_select(0, rows).view(span, c.num_kv_heads, c.head_dim).float()
+            positions = layout.positions[first:first + n]
+            visible = torch.arange(span, device=q.device)[None, :] <= positions[:, None]
+            qh = q.float().view(n, c.num_heads, c.head_dim).transpose(0, 1)  # [heads, n, hd]
+            res = F.scaled_dot_product_attention(
+                qh[None], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None],
+                attn_mask=visible[None, None], scale=1.0 / math.sqrt(c.head_dim),
+                enable_gqa=True)
+            out[first:first + n].copy_(res[0].transpose(0, 1).reshape(n, c.q_dim))
 
-def prefill_attention(config: ModelConfig, q: torch.Tensor, k_pool: torch.Tensor,
-                      v_pool: torch.Tensor, positions: torch.Tensor, end: int,
-                      table: torch.Tensor, page_size: int, out: torch.Tensor) -> None:
-    """Causal attention of one request's window: q [n, q_dim] at `positions` [n] (ascending,
-    contiguous, ending at end - 1) over that request's pool rows 0..end-1; out [n, q_dim]."""
-    c = config
-    n = q.shape[0]
-    pages = table[:(end - 1) // page_size + 1].to(torch.int64)
-    rows = (pages[:, None] * page_size + torch.arange(page_size, device=q.device)).reshape(-1)
-    span = rows.shape[0]
-    keys = k_pool.index_select(0, rows).view(span, c.num_kv_heads, c.head_dim).float()
-    vals = v_pool.index_select(0, rows).view(span, c.num_kv_heads, c.head_dim).float()
-    visible = torch.arange(span, device=q.device)[None, :] <= positions[:, None]  # [n, span]
-    qh = q.float().view(n, c.num_heads, c.head_dim).transpose(0, 1)  # [heads, n, hd]
-    res = F.scaled_dot_product_attention(
-        qh[None], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None],
-        attn_mask=visible[None, None], scale=1.0 / math.sqrt(c.head_dim), enable_gqa=True)
-    out.copy_(res[0].transpose(0, 1).reshape(n, c.q_dim))
+    def prefill_block(self, num_tokens: int) -> int:
+        """Queries per attention block of a prefill batch of `num_tokens` (a layout's
+        blocks; the reference ops attend a chunk at a time and ignore them)."""
+        return 64
+
+

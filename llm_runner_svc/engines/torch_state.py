@@ -1,8 +1,9 @@
 """The torch engine's mutable run state: every buffer a forward touches, claimed once.
 
 `rows` is the most positions one forward carries (the largest decode batch or a prefill
-chunk). The KV pool has one page more than the plan: padding rows of a captured batch size
-read and write that scratch page, never a request's.
+batch). The KV pool has one page more than the plan: padding rows of a captured batch size
+read and write that scratch page, never a request's. The fused products' float32
+activations are needed only by forwards of up to `fused_rows` rows.
 """
 
 from __future__ import annotations
@@ -37,32 +38,36 @@ class RunState:
     sin: torch.Tensor  # [max_seq, head_dim / 2] float32
     arange: torch.Tensor  # [max_seq] int32 positions of a prefill window
     inputs: torch.Tensor  # [batch * (2 + pages_per_seq)] int32: ids | positions | tables
-    prefill_ids: torch.Tensor  # [prefill_chunk] int64
-    prefill_table: torch.Tensor  # [1, pages_per_seq] int32
+    x_last: torch.Tensor  # [max_batch, hidden] float32 residual rows of prefill chunks' last
+    #                       tokens
     wide: torch.Tensor  # [max(rows * hidden, max_batch * vocab)] product scratch, when needed
 
     @property
     def nbytes(self) -> int:
         return sum(getattr(self, f.name).nbytes for f in fields(self))
 
+    @property
+    def pages_per_seq(self) -> int:
+        return self.inputs.numel() // self.logits.shape[0] - 2
+
 
 def decode_views(state: RunState, batch: int) -> tuple[torch.Tensor, ...]:
     """ids [batch], positions [batch], tables [batch, pages] of the packed decode inputs."""
-    pages = state.prefill_table.shape[1]
+    pages = state.pages_per_seq
     inputs = state.inputs
     return (inputs[:batch], inputs[batch:2 * batch],
             inputs[2 * batch:batch * (2 + pages)].view(batch, pages))
 
 
 def allocate_state(config: ModelConfig, plan: EnginePlan, max_batch: int, device: torch.device,
-                   dtype: torch.dtype, has_wide_scratch: bool, has_fused: bool) -> RunState:
+                   dtype: torch.dtype, has_wide_scratch: bool, fused_rows: int) -> RunState:
     c = config
     rows = max(max_batch, plan.prefill_chunk)
     pages_per_seq = -(-plan.max_seq // plan.page_size)
     pool_rows = (plan.num_pages + 1) * plan.page_size
     cos, sin = rope_tables(plan.max_seq, c.head_dim, c.rope_theta, device)
     cap_rows = rows if plan.hidden_layer is not None else 0
-    f_rows = rows if has_fused else 0
+    f_rows = min(rows, fused_rows)
 
     def act(*shape: int) -> torch.Tensor:
         return torch.zeros(shape, device=device, dtype=dtype)
@@ -87,9 +92,6 @@ def allocate_state(config: ModelConfig, plan: EnginePlan, max_batch: int, device
         cap_emb=f32(cap_rows, c.hidden_size), cap_state=f32(cap_rows, c.hidden_size),
         cos=cos, sin=sin,
         arange=torch.arange(plan.max_seq, dtype=torch.int32, device=device),
-        inputs=inputs,
-        prefill_ids=torch.zeros(plan.prefill_chunk, dtype=torch.int64, device=device),
-        prefill_table=torch.full((1, pages_per_seq), scratch, dtype=torch.int32,
-                                 device=device),
+        inputs=inputs, x_last=f32(max_batch, c.hidden_size),
         wide=act(max(rows * c.hidden_size, max_batch * c.vocab_size) if has_wide_scratch
                  else 0))

@@ -12,6 +12,7 @@ import math
 import torch
 
 from llm_runner_svc.engines.torch_ops import Rope, TorchOps
+from llm_runner_svc.engines.torch_prefill import PrefillLayout
 from llm_runner_svc.engines.torch_triton_kernels import (
     argmax_kernel,
     decode_attention_kernel,
@@ -20,6 +21,7 @@ from llm_runner_svc.engines.torch_triton_kernels import (
     rope_store_kernel,
     silu_mul_kernel,
 )
+from llm_runner_svc.engines.torch_triton_prefill import launch_prefill_attention, prefill_block
 from llm_runner_svc.engines.torch_triton_products import FusedProducts
 from llm_runner_svc.models.spec import ModelConfig, RopeStyle
 
@@ -84,21 +86,29 @@ class TritonOps(TorchOps):
         silu_mul_kernel[(n, -(-ffn // SILU_BLOCK))](
             gate_up, gate_up.stride(0), out, out.stride(0), ffn, BLOCK=SILU_BLOCK, num_warps=4)
 
-    def rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+    def rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
                    v_pool: torch.Tensor, q_norm: torch.Tensor | None,
                    k_norm: torch.Tensor | None) -> None:
         c = self.config
         n = qkv.shape[0]
-        half = c.head_dim // 2
         has_norm = q_norm is not None and k_norm is not None
         rope_store_kernel[(n, c.num_heads + c.num_kv_heads)](
-            qkv, qkv.stride(0), positions, tables, tables.stride(0), cos, sin, k_pool, v_pool,
+            qkv, qkv.stride(0), positions, slots, cos, sin, k_pool, v_pool,
             q_norm if has_norm else cos, k_norm if has_norm else cos, c.rms_eps,
             NUM_HEADS=c.num_heads, NUM_KV=c.num_kv_heads, HD=c.head_dim, HD_P=self._hd_p,
-            HALF=half, PAGE=self.page_size,
-            INTERLEAVED=c.rope_style is RopeStyle.INTERLEAVED, HAS_QK_NORM=has_norm,
-            num_warps=1)
+            HALF=c.head_dim // 2, INTERLEAVED=c.rope_style is RopeStyle.INTERLEAVED,
+            HAS_QK_NORM=has_norm, num_warps=1)
+
+    def prefill_attention(self, qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                          layout: PrefillLayout, out: torch.Tensor) -> None:
+        c = self.config
+        launch_prefill_attention(qkv, k_pool, v_pool, layout.blocks, layout.tables, out,
+                                 c.num_heads, c.num_kv_heads, c.head_dim, self.page_size,
+                                 layout.block)
+
+    def prefill_block(self, num_tokens: int) -> int:
+        return prefill_block(num_tokens)
 
     ropes_in_decode_attention = True
 

@@ -41,14 +41,14 @@ def silu_mul_kernel(gu_ptr, gu_stride, out_ptr, out_stride, n_cols, BLOCK: tl.co
 
 
 @triton.jit
-def rope_store_kernel(qkv_ptr, qkv_stride, pos_ptr, tables_ptr, table_stride, cos_ptr,
-                      sin_ptr, k_pool_ptr, v_pool_ptr, q_norm_ptr, k_norm_ptr, eps,
-                      NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HD: tl.constexpr,
-                      HD_P: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
-                      INTERLEAVED: tl.constexpr, HAS_QK_NORM: tl.constexpr):
+def rope_store_kernel(qkv_ptr, qkv_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_pool_ptr,
+                      v_pool_ptr, q_norm_ptr, k_norm_ptr, eps, NUM_HEADS: tl.constexpr,
+                      NUM_KV: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr,
+                      HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+                      HAS_QK_NORM: tl.constexpr):
     """Grid (rows, heads + kv_heads): one head vector per program, rotated (q/k-normalized
     first, for such models) as decode attention rotates it; q in place, k and v into the
-    pool."""
+    pool at the row's slot."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     pos = tl.load(pos_ptr + row)
@@ -64,8 +64,7 @@ def rope_store_kernel(qkv_ptr, qkv_stride, pos_ptr, tables_ptr, table_stride, co
     else:
         r = _rotate(x, xp, sign, cs, sn, k_norm_ptr, d, partner, dmask, eps, HD, HAS_QK_NORM)
         kvh = head - NUM_HEADS
-        page = tl.load(tables_ptr + row * table_stride + pos // PAGE).to(tl.int64)
-        dst = (page * PAGE + pos % PAGE) * (NUM_KV * HD) + kvh * HD + d
+        dst = tl.load(slot_ptr + row).to(tl.int64) * (NUM_KV * HD) + kvh * HD + d
         tl.store(k_pool_ptr + dst, r.to(k_pool_ptr.dtype.element_ty), mask=dmask)
         v = tl.load(qkv_ptr + row * qkv_stride + (NUM_HEADS + NUM_KV + kvh) * HD + d,
                     mask=dmask, other=0.0)

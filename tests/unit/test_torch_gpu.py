@@ -21,7 +21,10 @@ The figures, and how far bf16 weights move the states from the float32 checkpoin
 printed. Decode batches above `fused_rows` (and the largest matrices) multiply on cuBLAS in
 bf16, which `test_cublas_products_against_the_same_weights` checks to that rounding.
 The decode step must not move torch.cuda.memory_allocated() (nor its peak) across 1,000
-steps. These tests need a GPU; CI has none, and benchmarks/gpu_run.sh runs them on one.
+steps. Prefill batches longer than `fused_prefill_rows` multiply on cuBLAS in bf16 and
+attend in bf16: checked against the float32-activation path at several prompt lengths,
+whole and chunked, and chunks of several requests in one forward against solo prefills.
+These tests need a GPU; CI has none, and benchmarks/gpu_run.sh runs them on one.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import pytest
 import torch
 from helpers import drain
 from parity.conftest import build_hf_model
+from test_torch_engine import prefill_batch_against_solo
 
 from llm_runner_svc.engines import create_engine
 from llm_runner_svc.engines.base import DecodeRow, EnginePlan
@@ -314,3 +318,54 @@ def test_decode_steps_do_not_allocate(stories):
     assert torch.cuda.memory_allocated() == before
     assert torch.cuda.max_memory_allocated() == before
     rt.close()
+
+
+def test_prefill_batch_matches_solo_prefills_on_gpu(stories):
+    """Chunks of three requests in one forward give each request its solo prefill's logits
+    and states, on the float32-activation path (windows up to `fused_prefill_rows`) and on
+    the bf16 cuBLAS path (`fused_prefill_rows=0`), where only cuBLAS's choice of kernel by
+    batch size separates the two."""
+    for rows, tol in ((64, 1e-5), (0, BF16_CUBLAS_REL)):
+        for (logits, states), (want_logits, want_states) in prefill_batch_against_solo(
+                stories, device="cuda", fused_prefill_rows=rows):
+            _, _, worst = _spread(states, want_states)
+            print(f"prefill batch vs solo, fused_prefill_rows {rows}: worst position "
+                  f"{worst:.1e}, logits {np.abs(logits - want_logits).max():.1e}")
+            assert worst < tol
+            _clear_leads_agree(logits[None], want_logits[None], 0.5)
+
+
+def _prefill_states(model, prompt: list[int], chunk: int, rows: int):
+    """Logits [1, vocab] and states [len, hidden] of `prompt` prefilled on the GPU (bf16) in
+    chunks of `chunk`, with prefill batches of up to `rows` tokens on the fused products."""
+    eng = create_engine("torch", model.config, model.weights, device="cuda",
+                        fused_prefill_rows=rows)
+    table = _one_request(eng, len(prompt), prefill_chunk=chunk)
+    states = eng.prefill(prompt, 0, table, capture_hidden=True).states
+    logits = eng.logits(1).copy()
+    eng.close()
+    return logits, np.asarray(states, np.float32)
+
+
+@pytest.mark.parametrize("arch", ["stories", "qwen3"])
+def test_fast_prefill_against_the_precise_path(arch, stories, tmp_path):
+    """Long prefill windows (bf16 cuBLAS products and bf16 attention over the pages) against
+    the float32-activation path that the parity tests hold to the numpy engine, for several
+    prompt lengths, in one call and in chunks that start past earlier ones: states within
+    bf16 rounding (BF16_CUBLAS_REL), the same argmax wherever its lead is clear of it."""
+    if arch == "stories":
+        model, lengths = stories, (100, 300, 511)
+    else:
+        build_hf_model(arch, tmp_path / arch, seed=3)
+        model, lengths = load_model(tmp_path / arch), (100, 255)
+    gen = np.random.default_rng(0)
+    for n in lengths:
+        prompt = [int(t) for t in gen.integers(3, model.config.vocab_size, n)]
+        want_logits, want = _prefill_states(model, prompt, chunk=n, rows=n)
+        for chunk in (n, 96):
+            logits, got = _prefill_states(model, prompt, chunk=chunk, rows=0)
+            spread = _spread(got, want)
+            print(f"{arch} fast prefill of {n} in chunks of {chunk}: states {_fmt(spread)}, "
+                  f"logits {np.abs(logits - want_logits).max():.1e}")
+            assert spread[2] < BF16_CUBLAS_REL
+            _clear_leads_agree(logits, want_logits, 0.5)

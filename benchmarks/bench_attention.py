@@ -1,0 +1,131 @@
+"""Causal prefill attention on one GPU, one prompt, one layer: the engine's Triton kernel
+over the paged pool against torch's FlashAttention (varlen, on keys and values gathered
+contiguous from the same pages, the gather included) and torch SDPA on contiguous
+tensors (what transformers runs). Prints ms per layer, TFLOP/s (causal: q.k and p.v over
+n(n+1)/2 pairs) and each result's distance from SDPA's; then the Triton kernel's tile
+choices (queries per block, keys per tile, warps, stages), fastest first.
+
+Usage: python benchmarks/bench_attention.py [--shapes qwen2.5-1.5b,qwen2.5-7b]
+       [--prompts 512,2048,8192] [--page-size 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_paths  # noqa: E402
+
+from llm_runner_svc.engines.torch_prefill import (  # noqa: E402
+    PrefillChunk,
+    PrefillLayout,
+    PrefillStager,
+)
+from llm_runner_svc.engines.torch_triton_prefill import (  # noqa: E402
+    Tiles,
+    launch_prefill_attention,
+    prefill_block,
+)
+from llm_runner_svc.engines.torch_weights import named_shape  # noqa: E402
+
+TILES = [(bm, (bn, w, st)) for bm in (64, 128) for bn in (64, 128) for w in (4, 8)
+         for st in (2, 3) if bm * bn <= 128 * 64 or w == 8]
+
+
+def bench(shape: str, n: int, page: int) -> dict:
+    c = named_shape(shape)
+    dev = torch.device("cuda")
+    pages = -(-n // page)
+    order = torch.randperm(pages).tolist()  # a request's pages are not in pool order
+    qkv = torch.randn(n, c.q_dim + 2 * c.kv_dim, device=dev, dtype=torch.bfloat16)
+    k_pool = torch.randn((pages + 1) * page, c.kv_dim, device=dev, dtype=torch.bfloat16)
+    v_pool = torch.randn_like(k_pool)
+    stager = PrefillStager(n, 1, pages, page, pages, dev)
+    layout = stager.stage([PrefillChunk([0] * n, 0, order)], prefill_block(n))
+    out = torch.empty(n, c.q_dim, device=dev, dtype=torch.bfloat16)
+    rows = layout.slots  # pool row of each position, in order
+
+    def triton_paged() -> torch.Tensor:
+        launch_prefill_attention(qkv, k_pool, v_pool, layout.blocks, layout.tables, out,
+                                 c.num_heads, c.num_kv_heads, c.head_dim, page, layout.block)
+        return out
+
+    q = qkv[:, :c.q_dim].view(n, c.num_heads, c.head_dim)
+    cu = torch.tensor([0, n], device=dev, dtype=torch.int32)
+    scale = 1.0 / math.sqrt(c.head_dim)
+
+    def flash_gathered() -> torch.Tensor:
+        k = k_pool.index_select(0, rows).view(n, c.num_kv_heads, c.head_dim)
+        v = v_pool.index_select(0, rows).view(n, c.num_kv_heads, c.head_dim)
+        res: torch.Tensor = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, n, n, 0.0, True, False, scale=scale)[0]
+        return res.reshape(n, c.q_dim)
+
+    kc = k_pool.index_select(0, rows).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+    vc = v_pool.index_select(0, rows).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+
+    def sdpa() -> torch.Tensor:
+        res = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None], vc[None],
+                                             is_causal=True, scale=scale, enable_gqa=True)
+        return res[0].transpose(0, 1).reshape(n, c.q_dim)
+
+    ref = sdpa().float()
+    sweep = []
+    own = PrefillStager(n, 1, pages, page, pages, dev)  # `layout` keeps its buffer
+    for block_m, tiles in TILES:
+        lay = own.stage([PrefillChunk([0] * n, 0, order)], block_m)
+
+        def run(lay: PrefillLayout = lay, block_m: int = block_m, tiles: Tiles = tiles) -> None:
+            launch_prefill_attention(qkv, k_pool, v_pool, lay.blocks, lay.tables, out,
+                                     c.num_heads, c.num_kv_heads, c.head_dim, page, block_m,
+                                     tiles)
+
+        try:
+            sweep.append((gpu_paths.event_ms(run, reps=10, rounds=3, warmup=2), block_m, tiles))
+        except Exception as exc:  # a tile choice past the shared memory or registers
+            print(f"# {block_m}/{tiles}: {exc}"[:200], flush=True)
+    sweep.sort()
+    print(f"# {shape} {n}: " + ", ".join(f"{b}/{t} {ms:.3f}" for ms, b, t in sweep[:6]),
+          flush=True)
+    flops = 4 * c.head_dim * c.num_heads * n * (n + 1) / 2
+    row: dict = {"shape": shape, "prompt": n, "layers": c.num_layers}
+    for name, fn in (("triton_paged", triton_paged), ("flash_gathered", flash_gathered),
+                     ("sdpa", sdpa)):
+        try:
+            got = fn().float()
+            ms = gpu_paths.event_ms(fn, reps=20, rounds=3, warmup=3)
+        except (RuntimeError, TypeError) as exc:
+            print(f"# {shape} {n} {name}: {exc}"[:300], flush=True)
+            continue
+        row[name] = {"ms": ms, "tflops": flops / ms / 1e9,
+                     "rel": float((got - ref).norm() / ref.norm())}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", default="qwen2.5-1.5b,qwen2.5-7b")
+    ap.add_argument("--prompts", default="512,2048,8192")
+    ap.add_argument("--page-size", type=int, default=16)
+    args = ap.parse_args()
+    rows = [bench(s, int(n), args.page_size) for s in args.shapes.split(",")
+            for n in args.prompts.split(",")]
+    names = ("triton_paged", "flash_gathered", "sdpa")
+    print("| shape | prompt | " + " | ".join(f"{k} ms/layer (TFLOP/s, rel)" for k in names)
+          + " | Triton, all layers ms |")
+    print("|---|---:|" + "---:|" * (len(names) + 1))
+    for r in rows:
+        cells = [f"{r[k]['ms']:.3f} ({r[k]['tflops']:.0f}, {r[k]['rel']:.1e})" if k in r
+                 else "-" for k in names]
+        total = f"{r['triton_paged']['ms'] * r['layers']:.1f}" if "triton_paged" in r else "-"
+        print(f"| {r['shape']} | {r['prompt']:,} | " + " | ".join(cells) + f" | {total} |")
+
+
+if __name__ == "__main__":
+    main()
