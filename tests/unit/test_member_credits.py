@@ -1,7 +1,8 @@
 """Member windows on a shared Step stream, as the orchestrator keeps them: a join grants its
 window in the same message, the stream credit of each event goes back at once, a member's
-credits go back only as its reader takes its updates (one message per read), and a stage
-that ignores member windows is held through the stream credits the slow member keeps."""
+credits go back only as its reader takes its updates (one message per read, once the caller
+asks for the next event), and a stage that ignores member windows is held through the stream
+credits the slow member keeps."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import asyncio
 from typing import Any
 
 from services.contract.llmstage.v1 import stage_pb2 as pb
+from services.orchestrator.codec import Delta, FinalReport
 from services.orchestrator.cohorts import MEMBER_WINDOW, WINDOW, CohortStream
+from services.orchestrator.routes import Route
+from services.orchestrator.run import Placement, RequestRun
 from services.orchestrator.updates import UpdateBuffer
 
 RUNNING, ENDED = pb.MEMBER_STATUS_RUNNING, pb.MEMBER_STATUS_ENDED
@@ -112,5 +116,62 @@ def test_a_stage_that_ignores_member_windows_is_held_by_the_slow_member() -> Non
         stream.leave(1)
         assert [m.credits for m in await step.settle()] == [2]
         await stream.close()
+
+    asyncio.run(scenario())
+
+
+class FakeReplica:
+    """A stage replica whose control calls all succeed and whose cohort records grants."""
+
+    endpoint = "host:1"
+
+    def __init__(self) -> None:
+        self.grants: list[int] = []
+        self.sink: UpdateBuffer | None = None
+        replies = {"Admit": pb.AdmitResponse(admitted=True), "Prepare": pb.PrepareResponse(),
+                   "Finish": pb.FinishResponse(finish_reason=pb.FINISH_REASON_MAX_LENGTH,
+                                               output_token_ids=[1, 2, 3, 4, 5]),
+                   "Diagnostics": pb.DiagnosticsResponse(), "Reset": pb.ResetResponse()}
+
+        def rpc(reply: Any) -> Any:
+            async def call(request: Any, **_: Any) -> Any:
+                return reply
+            return call
+        self.stub = type("Stub", (), {name: staticmethod(rpc(r)) for name, r in replies.items()})
+
+    def cohort(self, fingerprint: str) -> FakeReplica:
+        return self
+
+    def join(self, slot_id: int, sink: UpdateBuffer) -> None:
+        self.sink = sink
+
+    def grant(self, slot_id: int, consumed: int) -> None:
+        self.grants.append(consumed)
+
+
+def test_a_read_hands_back_its_credits_when_the_caller_asks_for_more() -> None:
+    async def scenario() -> None:
+        replica = FakeReplica()
+        run = RequestRun("r", pb.GenerationRequest(text="Hi"), Route(("llm",), ("llm:text",)),
+                         [Placement("llm", replica, 7)], None)
+        events = run.events()
+        first = asyncio.ensure_future(anext(events))
+        while replica.sink is None:  # Admit and Prepare run on fake calls
+            await asyncio.sleep(0)
+        for i in range(3):
+            replica.sink.put(("llm", pb.MemberUpdate(slot_id=7, status=RUNNING,
+                                                     token_ids=[i], text="x")))
+        delta = await first
+        assert isinstance(delta, Delta) and delta.token_ids == [0, 1, 2]
+        assert replica.grants == []  # the caller has not asked for more yet
+        replica.sink.put(("llm", pb.MemberUpdate(slot_id=7, status=RUNNING, token_ids=[3])))
+        delta = await anext(events)
+        assert replica.grants == [3] and isinstance(delta, Delta) and delta.token_ids == [3]
+        replica.sink.put(("llm", pb.MemberUpdate(slot_id=7, status=ENDED, token_ids=[4])))
+        last = await anext(events)
+        assert replica.grants == [3, 1] and isinstance(last, Delta) and last.token_ids == [4]
+        final = await anext(events)
+        assert replica.grants == [3, 1]  # the ending spent no credit and returns none
+        assert isinstance(final, FinalReport) and final.usage.completion_tokens == 5
 
     asyncio.run(scenario())
