@@ -13,13 +13,13 @@ For each model shape (random weights at the real shape, drawn once into a transf
     run (an 8192^3 product);
   - stall: `--stall-batch` requests decoding, then one `--stall-prompt`-token prompt joins:
     the median decode step before it, the longest step until its first token, and its TTFT
-    (on a runtime of its own: `--stall-chunk` prompt tokens per forward or per step, else
-    the runtime's default).
+    (on a runtime of its own for each of `--stall-chunks`: prompt tokens per forward or per
+    step; 0 = the runtime's default).
 `--smoke` runs a tiny shape on the CPU (float32) to check the script without a GPU.
 
 Usage: python benchmarks/bench_prefill.py [--shapes qwen2.5-1.5b,qwen2.5-7b]
        [--prompts 512,2048,8192] [--reps 3] [--chunk 8192] [--stall-batch 32]
-       [--stall-prompt 4096] [--stall-chunk N] [--no-hf] [--json FILE] [--smoke]
+       [--stall-prompt 4096] [--stall-chunks 0,512] [--no-hf] [--json FILE] [--smoke]
 """
 
 from __future__ import annotations
@@ -194,12 +194,14 @@ def bench_shape(name: str, config: ModelConfig, args: argparse.Namespace, rate: 
         print(json.dumps(row), flush=True)
         rows.append(row)
     rt.close()
-    rt = runtime(engine, args.stall_batch + 1, max_seq, args.stall_chunk)
-    st = {"shape": name, "stall_batch": args.stall_batch, "stall_prompt": args.stall_prompt,
-          **stall(rt, config.vocab_size, args.stall_batch, args.stall_prompt)}
-    print(json.dumps(st), flush=True)
-    rows.append(st)
-    rt.close()
+    for chunk in args.stall_chunks:
+        rt = runtime(engine, args.stall_batch + 1, max_seq, chunk or None)
+        st = {"shape": name, "stall_batch": args.stall_batch,
+              "stall_prompt": args.stall_prompt, "stall_chunk": chunk,
+              **stall(rt, config.vocab_size, args.stall_batch, args.stall_prompt)}
+        print(json.dumps(st), flush=True)
+        rows.append(st)
+        rt.close()
     del engine, rt
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -215,12 +217,13 @@ def print_tables(rows: list[dict]) -> None:
             hf_cells = f"{hf:.1f} | {r['ttft_ms'] / hf:.2f}" if hf else "- | -"
             print(f"| {r['shape']} | {r['prompt']:,} | {r['ttft_ms']:.1f} | {hf_cells} | "
                   f"{r['floor_ms']:.1f} | {r['floor_ms'] / r['ttft_ms']:.0%} |")
-    print("| shape | decoding | joining prompt | decode step ms | longest step ms | steps to "
-          "its first token | its TTFT ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| shape | decoding | joining prompt | tokens per step | decode step ms | longest "
+          "step ms | steps to its first token | its TTFT ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "stall_batch" in r:
             print(f"| {r['shape']} | {r['stall_batch']} | {r['stall_prompt']:,} | "
+                  f"{r['stall_chunk'] or 'default'} | "
                   f"{r['decode_step_ms']:.2f} | {r['longest_step_ms']:.1f} | "
                   f"{r['steps_to_first_token']} | {r['joiner_ttft_ms']:.1f} |")
 
@@ -234,16 +237,18 @@ def main() -> None:
                     help="prompt tokens per forward (prefill_chunk) or per step")
     ap.add_argument("--stall-batch", type=int, default=32)
     ap.add_argument("--stall-prompt", type=int, default=4096)
-    ap.add_argument("--stall-chunk", type=int, default=None,
-                    help="the stall runtime's prompt tokens per forward or per step")
+    ap.add_argument("--stall-chunks", default="0",
+                    help="for each, a stall runtime with this many prompt tokens per forward "
+                         "or per step (0: the runtime's default)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU")
     args = ap.parse_args()
     if args.smoke:
         args.prompts, args.reps, args.chunk = "16,64", 1, 64
-        args.stall_batch, args.stall_prompt, args.stall_chunk = 4, 64, 16
+        args.stall_batch, args.stall_prompt, args.stall_chunks = 4, 64, "0,16"
     args.prompts = [int(n) for n in args.prompts.split(",")]
+    args.stall_chunks = [int(n) for n in args.stall_chunks.split(",")]
     device = "cpu" if args.smoke else "cuda"
     rate = matmul_rate(device)
     what = "tiny, CPU" if args.smoke else torch.cuda.get_device_name()
