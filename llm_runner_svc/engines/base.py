@@ -5,23 +5,35 @@ hidden-state staging buffers, and the sampler. The runtime owns everything else 
 a request holds, which rows are in a step, when a request ends) and talks to the engine in
 plain Python values, so it never imports a tensor library.
 
-Call order: `preallocate(plan)` once, then any number of `prefill` / `decode`, each followed
-by `sample` (and optionally `logits`), then `close()`. Engines are not thread-safe: one
-runtime drives one engine from one thread.
+Call order: `preallocate(plan)` once, then steps, then `close()`. A step is
+`launch(batch)`, which starts the batch (`batch.py`) and returns a handle, and later
+`read(handle)`, which gives its picks and captured states; the runtime launches step n+1
+before it reads step n, so a row of step n+1 may feed a pick of step n (`Row.from_pick`).
+The host engines implement `launch` once over flat passes (`batched.py`); an engine written
+for the earlier single-request calls (`prefill` / `decode` / `sample`, the torch engine) is
+served through the new calls by the adapter at the end of this module. Engines are not
+thread-safe: one runtime drives one engine from one thread.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from llm_runner_svc.engines.batch import (
+    GREEDY_TEMPERATURE,
+    Batch,
+    HiddenStates,
+    SampleSpec,
+    StepOutput,
+)
 from llm_runner_svc.errors import FailedPrecondition, InvalidArgument
 from llm_runner_svc.models.spec import ModelConfig
 
-GREEDY_TEMPERATURE = 1e-3
-
+__all__ = ["CHAINED", "GREEDY_TEMPERATURE", "Batch", "DecodeRow", "Engine", "EnginePlan",
+           "HiddenStates", "SampleSpec", "StepOutput"]
 
 @dataclass(frozen=True)
 class EnginePlan:
@@ -31,24 +43,13 @@ class EnginePlan:
     max_seq: int  # positions per request, prompt included
     page_size: int  # tokens per KV page
     num_pages: int  # pages in the pool (page ids 0 .. num_pages-1)
-    prefill_chunk: int = 256  # prompt tokens per forward inside one prefill
+    prefill_chunk: int = 256  # the longest stretch of one row in one engine pass
     hidden_layer: int | None = None  # accept_hidden_layer; None = hidden capture disabled
 
-
-@dataclass(frozen=True)
-class SampleSpec:
-    """How to pick one row's next token. `uniform` is the row's random draw in [0, 1)."""
-
-    temperature: float
-    top_k: int  # 0 = whole vocabulary
-    top_p: float
-    uniform: float = 0.0
-    logit_bias: Mapping[int, float] | None = None
-    is_greedy: bool = field(init=False, repr=False, compare=False)  # read on every step
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "is_greedy",
-                           self.temperature < GREEDY_TEMPERATURE or self.top_k == 1)
+    @property
+    def max_tokens(self) -> int:
+        """Tokens in one engine pass: a step's decode rows, or a prefill chunk."""
+        return max(self.max_batch, self.prefill_chunk)
 
 
 @dataclass(frozen=True)
@@ -64,35 +65,39 @@ class DecodeRow:
 CHAINED = -1  # a DecodeRow token: the one the engine's previous decode picked for this row
 
 
-@dataclass(frozen=True)
-class HiddenStates:
-    """Captured states for a window of positions; arrays are the engine's host tensors."""
-
-    embeddings: Any  # [num_positions, hidden] layer-0 (token embedding) output
-    states: Any  # [num_positions, hidden] at the plan's hidden_layer
-    start_position: int
-
-
 class Engine(ABC):
     """A decoder on one device. See the module docstring for the call order."""
 
     name: str
     config: ModelConfig
-    # Whether decode() takes rows whose token is CHAINED: the pick of the engine's previous
-    # decode for the row at the same index (the same rows in the same order), read where the
-    # engine keeps it, so the next step can start before the host has read the picks.
+    # Adapter only (an engine on the single-request calls): whether decode() takes rows whose
+    # token is CHAINED, the pick of the engine's previous decode for the row at the same index.
     supports_chaining = False
+    default_step_tokens = 512  # tokens per step unless the deployment says (maxTokensPerStep)
+    _legacy_last: _LegacyStep | None = None
 
     @abstractmethod
     def preallocate(self, plan: EnginePlan) -> None:
         """Claim every buffer for `plan`. Nothing on the step path allocates afterwards.
         Calling it again with the same plan is a no-op; with another plan, an error."""
 
+    def launch(self, batch: Batch) -> Any:
+        """Launch one step: every row's tokens run, their KV is written into the row's pages,
+        each row's last logits land in the logits row of its index, and rows with a sample
+        spec get a pick. Returns the handle `read` takes; at most the last handle may still
+        be unread when the next forward is launched."""
+        return _legacy_launch(self, batch)
+
+    def read(self, handle: Any) -> StepOutput:
+        """The picks and captured states of the step `handle` launched (once it is done)."""
+        step: _LegacyStep = handle
+        return StepOutput(_legacy_picks(self, step), step.hidden)
+
     @abstractmethod
     def prefill(self, token_ids: Sequence[int], start_pos: int, page_table: Sequence[int],
                 capture_hidden: bool = False) -> HiddenStates | None:
-        """Run positions start_pos .. start_pos+len-1 of one request, writing their KV into
-        the pages of `page_table`; leave the last position's logits in logits row 0.
+        """One row of `token_ids` at start_pos .. start_pos+len-1, writing their KV into
+        the pages of `page_table`; leaves the last position's logits in logits row 0.
         Returns the captured states of the window when asked."""
 
     @abstractmethod
@@ -127,6 +132,15 @@ class Engine(ABC):
         """Bytes held by preallocated buffers (weights excluded); 0 before preallocate."""
         return 0
 
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV one position takes in the pool (keys and values of every layer)."""
+        return 2 * self.config.num_layers * self.config.kv_dim * 4
+
+    def free_device_bytes(self) -> int | None:
+        """Free device memory now (weights loaded), for a pool sized as a fraction of it;
+        None for an engine on the host."""
+        return None
+
 
 # ---- argument checks every engine makes the same way ---------------------------------------
 
@@ -155,3 +169,90 @@ def check_prefill_fits(plan: EnginePlan, num_tokens: int, start_pos: int) -> Non
 def check_token_ids(config: ModelConfig, token_ids: Sequence[int]) -> None:
     if min(token_ids) < 0 or max(token_ids) >= config.vocab_size:
         raise InvalidArgument(f"token id outside the vocabulary 0..{config.vocab_size - 1}")
+
+
+def check_batch(config: ModelConfig, plan: EnginePlan, batch: Batch) -> None:
+    """The checks every engine makes on a batch before it runs anything."""
+    rows = batch.rows
+    if not 0 < len(rows) <= plan.max_batch:
+        raise InvalidArgument(f"batch of {len(rows)} rows; maxBatch is {plan.max_batch}")
+    for row in rows:
+        if row.length == 0 or row.start < 0 or row.end > plan.max_seq:
+            raise InvalidArgument(f"row of {row.length} tokens at {row.start} does not fit "
+                                  f"maxSeq {plan.max_seq}")
+        if len(row.pages) * plan.page_size < row.end:
+            raise InvalidArgument(f"row up to position {row.end - 1} has only "
+                                  f"{len(row.pages)} pages")
+        if row.tokens:
+            check_token_ids(config, row.tokens)
+
+
+def resolve_tokens(batch: Batch, last_picks: Sequence[int | None] | None) -> list[list[int]]:
+    """Each row's tokens, a `from_pick` row's taken from the previous forward's picks."""
+    out: list[list[int]] = []
+    for row in batch.rows:
+        if row.from_pick is None:
+            out.append(list(row.tokens))
+            continue
+        pick = None
+        if last_picks is not None and 0 <= row.from_pick < len(last_picks):
+            pick = last_picks[row.from_pick]
+        if pick is None:
+            raise FailedPrecondition(f"a row feeds the pick of row {row.from_pick} of the "
+                                     "previous forward, which made none")
+        out.append([pick])
+    return out
+
+
+# ---- the adapter: an engine on the single-request calls behind launch / read --------------
+
+@dataclass
+class _LegacyStep:
+    picks: list[int | None]  # known at once (prefill rows), or after finish_sample
+    hidden: list[HiddenStates | None]
+    decoded: list[int]  # batch rows of the decode whose picks `started` holds
+    started: Any = None
+    chains: bool = False  # a plain decode of every row: the next may chain on it
+
+
+def _legacy_picks(engine: Engine, step: _LegacyStep) -> list[int | None]:
+    if step.started is not None:
+        for i, tok in zip(step.decoded, engine.finish_sample(step.started), strict=True):
+            step.picks[i] = tok
+        step.started = None
+    return step.picks
+
+
+def _legacy_launch(engine: Engine, batch: Batch) -> _LegacyStep:
+    """Rows of several tokens (or without a pick) run as prefills, one each, their picks
+    sampled at once; one-token rows with a pick run as one decode whose picks are read later.
+    A batch that repeats the previous plain decode row for row chains on it."""
+    rows, last = batch.rows, engine._legacy_last
+    n = len(rows)
+    if (engine.supports_chaining and last is not None and last.chains
+            and last.started is not None and len(last.decoded) == n
+            and all(r.from_pick == i and r.sample and not r.capture_hidden
+                    for i, r in enumerate(rows))):
+        engine.decode([DecodeRow(CHAINED, r.start, r.pages) for r in rows])
+        step = _LegacyStep([None] * n, [None] * n, list(range(n)), chains=True)
+    else:
+        picks = _legacy_picks(engine, last) if last is not None else None
+        tokens = resolve_tokens(batch, picks)
+        step = _LegacyStep([None] * n, [None] * n, [])
+        for i, (row, toks) in enumerate(zip(rows, tokens, strict=True)):
+            if row.length == 1 and row.sample is not None:
+                step.decoded.append(i)
+                continue
+            step.hidden[i] = engine.prefill(toks, row.start, row.pages, row.capture_hidden)
+            if row.sample is not None:
+                step.picks[i] = engine.sample([row.sample])[0]
+        if step.decoded:
+            hidden = engine.decode([DecodeRow(tokens[i][0], rows[i].start, rows[i].pages,
+                                              rows[i].capture_hidden) for i in step.decoded])
+            for i, hs in zip(step.decoded, hidden, strict=True):
+                step.hidden[i] = hs
+        step.chains = len(step.decoded) == n and not any(r.capture_hidden for r in rows)
+    specs = [rows[i].sample for i in step.decoded]
+    step.started = engine.start_sample(specs) if specs else None  # type: ignore[arg-type]
+    engine._legacy_last = step
+    return step

@@ -10,22 +10,14 @@ outputs; it is opened in `preallocate()` (when the hidden layer is known) and cl
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 
-from llm_runner_svc.engines.base import (
-    DecodeRow,
-    Engine,
-    EnginePlan,
-    HiddenStates,
-    SampleSpec,
-    check_prefill_fits,
-    check_token_ids,
-    is_same_plan,
-)
+from llm_runner_svc.engines.base import EnginePlan, is_same_plan
+from llm_runner_svc.engines.batch import Pass
+from llm_runner_svc.engines.batched import BatchedEngine
 from llm_runner_svc.engines.graph_kv import HostKvPool, decode_inputs, prefill_inputs
-from llm_runner_svc.engines.numpy_sampling import apply_logit_bias, sample_rows
 from llm_runner_svc.errors import FailedPrecondition, InvalidArgument
 from llm_runner_svc.export import signature as sig
 from llm_runner_svc.export.signature import GraphDtype
@@ -47,7 +39,7 @@ class StepExecutor(ABC):
         """Release the executor's resources. Idempotent."""
 
 
-class GraphEngine(Engine):
+class GraphEngine(BatchedEngine):
     """Shared prefill / decode / sample over a `StepExecutor` chosen by the subclass."""
 
     dtype: GraphDtype = GraphDtype.FP32
@@ -87,6 +79,7 @@ class GraphEngine(Engine):
             self._executor = None
         del self._kv, self._kv_pool, self._logits
         self._plan = None
+        super().close()
 
     def memory_bytes(self) -> int:
         return 0 if self._plan is None else self._kv.nbytes + self._logits.nbytes
@@ -97,59 +90,39 @@ class GraphEngine(Engine):
         return self._plan, self._executor
 
     # ---- forward ---------------------------------------------------------------------
-    def prefill(self, token_ids: Sequence[int], start_pos: int, page_table: Sequence[int],
-                capture_hidden: bool = False) -> HiddenStates | None:
+    def _run(self, p: Pass) -> tuple[np.ndarray, np.ndarray] | None:
+        """Each segment of several tokens as one prefill call of the graph, the one-token
+        segments together as one decode call."""
         plan, executor = self._need_plan()
-        n_total = len(token_ids)
-        check_prefill_fits(plan, n_total, start_pos)
-        check_token_ids(self.config, token_ids)
-        rows = self._kv.pool_rows(page_table, start_pos + n_total)  # [positions]
-        caps: list[tuple[np.ndarray, np.ndarray]] = []
-        out: dict[str, np.ndarray] = {}
-        for lo in range(0, n_total, plan.prefill_chunk):
-            chunk = token_ids[lo:lo + plan.prefill_chunk]
-            first = start_pos + lo
-            feeds = prefill_inputs(chunk, first)
+        hidden = self.config.hidden_size
+        n = p.num_tokens
+        caps = (np.zeros((n, hidden), np.float32), np.zeros((n, hidden), np.float32)) \
+            if p.capture else None
+        ones = [s for s in p.segments if len(s.tokens) == 1]
+        for s in p.segments:
+            if len(s.tokens) == 1:
+                continue
+            first = s.start
+            rows = self._kv.pool_rows(s.pages, first + len(s.tokens))  # [positions]
+            feeds = prefill_inputs(s.tokens, first)
             feeds.update(self._kv.past_feeds(rows[None, :first]))
             out = executor.run(feeds, "prefill")
-            self._kv.write_new(out, rows[None, first:first + len(chunk)])
-            if capture_hidden:
-                caps.append((out[sig.HIDDEN_EMBED][0], out[sig.HIDDEN_STATE][0]))
-        self._logits[0] = out[sig.LOGITS][0]
-        if not capture_hidden:
-            return None
-        return HiddenStates(embeddings=np.concatenate([e for e, _ in caps]),
-                            states=np.concatenate([s for _, s in caps]),
-                            start_position=start_pos)
-
-    def decode(self, rows: Sequence[DecodeRow]) -> list[HiddenStates | None]:
-        plan, executor = self._need_plan()
-        b = len(rows)
-        pos = np.fromiter((r.position for r in rows), dtype=np.int64, count=b)  # [b]
-        if not 0 < b <= plan.max_batch or int(pos.max()) >= plan.max_seq:
-            raise InvalidArgument(f"decode of {b} rows up to position {int(pos.max())}; "
-                                  f"maxBatch is {plan.max_batch}, maxSeq {plan.max_seq}")
-        ids = [r.token_id for r in rows]
-        check_token_ids(self.config, ids)
-        past = int(pos.max())
-        windows = np.stack([self._kv.pool_rows(r.page_table, past + 1) for r in rows])
-        feeds = decode_inputs(ids, pos)
-        feeds.update(self._kv.past_feeds(windows[:, :past]))
-        out = executor.run(feeds, "decode")
-        self._kv.write_new(out, windows[np.arange(b), pos][:, None])
-        self._logits[:b] = out[sig.LOGITS]
-        if not any(r.capture_hidden for r in rows):
-            return [None] * b
-        emb, states = out[sig.HIDDEN_EMBED], out[sig.HIDDEN_STATE]  # [b, 1, hidden]
-        return [HiddenStates(emb[i].copy(), states[i].copy(), int(pos[i]))
-                if r.capture_hidden else None for i, r in enumerate(rows)]
-
-    def sample(self, specs: Sequence[SampleSpec]) -> list[int]:
-        self._need_plan()
-        apply_logit_bias(self._logits[:len(specs)], specs)
-        return sample_rows(self._logits, specs)  # reads rows 0 .. len(specs)-1
-
-    def logits(self, num_rows: int) -> np.ndarray:
-        self._need_plan()
-        return self._logits[:num_rows]
-
+            self._kv.write_new(out, rows[None, first:])
+            self._logits[s.row] = out[sig.LOGITS][0]
+            if caps is not None:
+                span = slice(s.offset, s.offset + len(s.tokens))
+                caps[0][span], caps[1][span] = out[sig.HIDDEN_EMBED][0], out[sig.HIDDEN_STATE][0]
+        if ones:
+            b = len(ones)
+            pos = np.fromiter((s.start for s in ones), dtype=np.int64, count=b)  # [b]
+            past = int(pos.max())
+            windows = np.stack([self._kv.pool_rows(s.pages, past + 1) for s in ones])
+            feeds = decode_inputs([s.tokens[0] for s in ones], pos)
+            feeds.update(self._kv.past_feeds(windows[:, :past]))
+            out = executor.run(feeds, "decode")
+            self._kv.write_new(out, windows[np.arange(b), pos][:, None])
+            self._logits[[s.row for s in ones]] = out[sig.LOGITS]
+            if caps is not None:
+                at = [s.offset for s in ones]
+                caps[0][at], caps[1][at] = out[sig.HIDDEN_EMBED][:, 0], out[sig.HIDDEN_STATE][:, 0]
+        return caps

@@ -15,16 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from llm_runner_svc.engines.base import (
-    DecodeRow,
-    Engine,
     EnginePlan,
-    HiddenStates,
-    SampleSpec,
     check_hidden_layer,
-    check_prefill_fits,
     check_token_ids,
     is_same_plan,
 )
+from llm_runner_svc.engines.batch import Pass, Segment
+from llm_runner_svc.engines.batched import BatchedEngine
 from llm_runner_svc.engines.numpy_kernels import (
     apply_rope,
     rms_norm,
@@ -32,8 +29,7 @@ from llm_runner_svc.engines.numpy_kernels import (
     round_to_bf16,
     softmax_,
 )
-from llm_runner_svc.engines.numpy_sampling import apply_logit_bias, sample_rows
-from llm_runner_svc.errors import FailedPrecondition, InvalidArgument
+from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.models.spec import ModelConfig, ModelWeights
 
 
@@ -56,7 +52,7 @@ class _Layer:
     qk_norm: tuple[np.ndarray, np.ndarray] | None  # ([head_dim], [head_dim])
 
 
-class NumpyEngine(Engine):
+class NumpyEngine(BatchedEngine):
     name = "numpy"
 
     def __init__(self, config: ModelConfig, weights: ModelWeights,
@@ -103,7 +99,7 @@ class NumpyEngine(Engine):
             return
         c = self.config
         check_hidden_layer(c, plan)
-        rows = max(plan.max_batch, plan.prefill_chunk)
+        rows = plan.max_tokens
         qkv_dim = c.q_dim + 2 * c.kv_dim
         # Token-major pool, keys and values side by side as they leave the qkv matmul: page p
         # holds rows p*page_size .. (p+1)*page_size-1, so one row take gathers a request's
@@ -135,83 +131,63 @@ class NumpyEngine(Engine):
             delattr(self, name)
         self._plan = None
         self._buffers_bytes = 0
+        super().close()
 
     def memory_bytes(self) -> int:
         return self._buffers_bytes
 
-    def _need_plan(self) -> EnginePlan:
-        if self._plan is None:
-            raise FailedPrecondition("engine used before preallocate()")
-        return self._plan
-
     # ---- forward ---------------------------------------------------------------------
-    def prefill(self, token_ids: Sequence[int], start_pos: int, page_table: Sequence[int],
-                capture_hidden: bool = False) -> HiddenStates | None:
-        plan = self._need_plan()
-        n_total = len(token_ids)
-        check_prefill_fits(plan, n_total, start_pos)
+    def _run(self, p: Pass) -> tuple[np.ndarray, np.ndarray] | None:
+        """The one-token segments together, then each longer segment on its own: a
+        token's numbers then depend only on its own row's group, not on what else shares
+        the pass (BLAS picks kernels and threads by the row count)."""
         hidden = self.config.hidden_size
-        caps: list[tuple[np.ndarray, np.ndarray]] = []
-        table = np.asarray(page_table, dtype=np.int64)
-        for lo in range(0, n_total, plan.prefill_chunk):
-            chunk = token_ids[lo:lo + plan.prefill_chunk]
-            n = len(chunk)
-            pos = np.arange(start_pos + lo, start_pos + lo + n)  # [n]
-            self._embed(chunk, n)
-            self._run_layers(n, pos, lambda layer, q, kv, p=pos: self._attend_prefill(
-                layer, q, kv, table, p), capture_hidden)
-            if capture_hidden:
-                caps.append((self._cap_emb[:n].copy(), self._cap_state[:n].copy()))
-        last = self._h[:1]
-        rms_norm(self._x[n - 1:n], self._final_norm, self.config.rms_eps, out=last)
-        np.matmul(last, self._lm_head_t, out=self._logits[:1])
-        if not capture_hidden:
-            return None
-        emb = np.concatenate([e for e, _ in caps]).reshape(n_total, hidden)
-        states = np.concatenate([s for _, s in caps]).reshape(n_total, hidden)
-        return HiddenStates(embeddings=emb, states=states, start_position=start_pos)
+        n = p.num_tokens
+        caps = (np.empty((n, hidden), np.float32), np.empty((n, hidden), np.float32)) \
+            if p.capture else None
+        singles = [s for s in p.segments if len(s.tokens) == 1]
+        if singles:
+            self._run_group(singles, caps)
+        for s in p.segments:
+            if len(s.tokens) > 1:
+                self._run_group([s], caps)
+        return caps
 
-    def decode(self, rows: Sequence[DecodeRow]) -> list[HiddenStates | None]:
-        plan = self._need_plan()
-        b = len(rows)
-        if not 0 < b <= plan.max_batch:
-            raise InvalidArgument(f"decode batch of {b} rows; maxBatch is {plan.max_batch}")
-        pos = np.fromiter((r.position for r in rows), dtype=np.int64, count=b)  # [b]
-        if int(pos.max()) >= plan.max_seq:
-            raise InvalidArgument(f"decode position beyond maxSeq {plan.max_seq}")
-        num_pages = int(pos.max()) // plan.page_size + 1
-        tables = np.zeros((b, num_pages), np.int64)  # [b, pages]; short rows padded (masked)
-        for i, r in enumerate(rows):
-            m = min(num_pages, len(r.page_table))
-            tables[i, :m] = r.page_table[:m]
-        span = num_pages * plan.page_size
-        # [b * span] pool rows of every row's visible window, page by page
-        gather = (tables[:, :, None] * plan.page_size + np.arange(plan.page_size)).reshape(-1)
-        slots = tables[np.arange(b), pos // plan.page_size] * plan.page_size + pos % plan.page_size
-        # [b, 1, 1, span] additive mask: key s is visible to row i when s <= pos[i]
-        mask = np.where(np.arange(span)[None, :] <= pos[:, None], 0.0, -np.inf)
-        mask = mask.astype(np.float32)[:, None, None, :]
-        capture = any(r.capture_hidden for r in rows)
-        self._embed([r.token_id for r in rows], b)
-        self._run_layers(b, pos, lambda layer, q, kv: self._attend_decode(
-            layer, q, kv, gather, slots, mask), capture)
-        rms_norm(self._x[:b], self._final_norm, self.config.rms_eps, out=self._h[:b])
-        np.matmul(self._h[:b], self._lm_head_t, out=self._logits[:b])
-        if not capture:
-            return [None] * b
-        return [HiddenStates(self._cap_emb[i:i + 1].copy(), self._cap_state[i:i + 1].copy(),
-                             int(pos[i])) if r.capture_hidden else None
-                for i, r in enumerate(rows)]
+    def _run_group(self, segs: list[Segment],
+                   caps: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """One-token segments, or a single longer one, through every layer."""
+        plan = self._checked_plan()
+        ps = plan.page_size
+        spans = [np.arange(s.start, s.start + len(s.tokens)) for s in segs]
+        tables = [np.asarray(s.pages, dtype=np.int64) for s in segs]
+        pos = np.concatenate(spans)  # [n]
+        n = pos.shape[0]
+        slots = np.concatenate([t[q // ps] * ps + q % ps
+                                for t, q in zip(tables, spans, strict=True)])  # [n] pool rows
+        single = _Singles.build(segs, plan) if n == len(segs) else None
+        self._embed([t for s in segs for t in s.tokens], n)
 
-    def sample(self, specs: Sequence[SampleSpec]) -> list[int]:
-        self._need_plan()
-        logits = self._logits[:len(specs)]
-        apply_logit_bias(logits, specs)
-        return sample_rows(logits, specs)
+        def attend(layer: int, q: np.ndarray, kv: np.ndarray) -> None:
+            self._store_kv(layer, slots, kv)
+            if single is not None:
+                self._attend_singles(layer, q, single)
+            else:
+                self._attend_prefill(layer, q, tables[0], pos)
 
-    def logits(self, num_rows: int) -> np.ndarray:
-        self._need_plan()
-        return self._logits[:num_rows]
+        self._run_layers(n, pos, attend, caps is not None)
+        at = np.cumsum([0] + [len(s.tokens) for s in segs])  # each segment's first row
+        last = [int(at[i + 1]) - 1 for i, s in enumerate(segs) if s.is_last]
+        out = [s.row for s in segs if s.is_last]
+        k = len(last)
+        if last == out == list(range(k)):  # a plain decode: rows in place, no copies
+            rms_norm(self._x[:k], self._final_norm, self.config.rms_eps, out=self._h[:k])
+            np.matmul(self._h[:k], self._lm_head_t, out=self._logits[:k])
+        elif last:
+            h = rms_norm(self._x[last], self._final_norm, self.config.rms_eps)
+            self._logits[out] = h @ self._lm_head_t
+        if caps is not None:
+            dest = np.concatenate([np.arange(s.offset, s.offset + len(s.tokens)) for s in segs])
+            caps[0][dest], caps[1][dest] = self._cap_emb[:n], self._cap_state[:n]
 
     # ---- internals -------------------------------------------------------------------
     def _embed(self, token_ids: Sequence[int], n: int) -> None:
@@ -264,12 +240,12 @@ class NumpyEngine(Engine):
         they enter the pool (rounded to bf16 under kv_dtype "bfloat16")."""
         self._kv_pool[layer][slots] = round_to_bf16(kv) if self._round_kv else kv
 
-    def _attend_prefill(self, layer: int, q: np.ndarray, kv: np.ndarray, table: np.ndarray,
+    def _attend_prefill(self, layer: int, q: np.ndarray, table: np.ndarray,
                         pos: np.ndarray) -> None:
-        """q [n, q_dim], kv [n, 2 kv_dim] of one request at positions `pos` [n]."""
-        c, ps = self.config, self._need_plan().page_size
+        """q [n, q_dim] of one request at positions `pos` [n] (their KV already stored),
+        attending causally over its pages."""
+        c, ps = self.config, self._checked_plan().page_size
         n = q.shape[0]
-        self._store_kv(layer, table[pos // ps] * ps + pos % ps, kv)
         end = int(pos[-1]) + 1
         pages = table[:(end - 1) // ps + 1]
         span = pages.shape[0] * ps
@@ -288,20 +264,41 @@ class NumpyEngine(Engine):
         out = np.matmul(scores, vals_t)  # [kv, g, n, hd]
         self._attn[:n] = out.transpose(2, 0, 1, 3).reshape(n, c.q_dim)
 
-    def _attend_decode(self, layer: int, q: np.ndarray, kv: np.ndarray, gather: np.ndarray,
-                       slots: np.ndarray, mask: np.ndarray) -> None:
-        """q [b, q_dim], kv [b, 2 kv_dim], one position per row written at pool rows `slots`."""
+    def _attend_singles(self, layer: int, q: np.ndarray, one: _Singles) -> None:
+        """The one-token segments together: each attends over its gathered window."""
         c = self.config
         b = q.shape[0]
-        self._store_kv(layer, slots, kv)
-        span = gather.shape[0] // b
+        span = one.gather.shape[0] // b
         g = c.num_heads // c.num_kv_heads
-        window = np.take(self._kv_pool[layer], gather, axis=0).reshape(
+        window = np.take(self._kv_pool[layer], one.gather, axis=0).reshape(
             b, span, 2, c.num_kv_heads, c.head_dim)
         qh = q.reshape(b, c.num_kv_heads, g, c.head_dim)
         scores = np.matmul(qh, window[:, :, 0].transpose(0, 2, 3, 1))  # [b, kv, g, span]
         scores *= np.float32(1.0 / np.sqrt(c.head_dim))
-        scores += mask
+        scores += one.mask
         softmax_(scores)
         out = np.matmul(scores, window[:, :, 1].transpose(0, 2, 1, 3))  # [b, kv, g, hd]
         self._attn[:b] = out.reshape(b, c.q_dim)
+
+
+@dataclass(frozen=True)
+class _Singles:
+    """Where one-token segments read: the pool rows of every segment's window page by
+    page, and the causal mask over the padded windows."""
+
+    gather: np.ndarray  # [b * span] pool rows
+    mask: np.ndarray  # [b, 1, 1, span] additive
+
+    @staticmethod
+    def build(segs: Sequence[Segment], plan: EnginePlan) -> _Singles:
+        ps = plan.page_size
+        b = len(segs)
+        pos = np.fromiter((s.start for s in segs), dtype=np.int64, count=b)
+        num_pages = int(pos.max()) // ps + 1
+        tables = np.zeros((b, num_pages), np.int64)  # short rows padded (masked)
+        for i, s in enumerate(segs):
+            m = min(num_pages, len(s.pages))
+            tables[i, :m] = s.pages[:m]
+        gather = (tables[:, :, None] * ps + np.arange(ps)).reshape(-1)
+        mask = np.where(np.arange(num_pages * ps)[None, :] <= pos[:, None], 0.0, -np.inf)
+        return _Singles(gather, mask.astype(np.float32)[:, None, None, :])

@@ -13,7 +13,12 @@ class RuntimeConfig:
     max_batch: int = 8  # requests decoding together (maxBatch)
     max_seq: int = 0  # positions per request, prompt included (maxSeq); 0 = min(model, 2048)
     page_size: int = 16  # tokens per KV page
-    prefill_chunk: int = 256  # prompt tokens per engine forward
+    prefill_chunk: int = 256  # tokens per engine pass (a longer step runs in several)
+    max_tokens_per_step: int = 0  # decode rows + prefill chunks in one step
+    # (maxTokensPerStep); 0 = the engine's default; at least max_batch
+    kv_memory_bytes: int = 0  # KV pool on the host; 0 = max_batch requests of max_seq
+    kv_memory_fraction: float = 0.0  # KV pool on a device: this share of the memory free
+    # after the weights (kvMemoryFraction); 0 = sized by kv_memory_bytes
     max_waiting: int = 256  # requests queued for a free batch row before refusing
     hidden_layer: int | None = None  # accept_hidden_layer; None = no hidden-state capture
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
@@ -22,8 +27,17 @@ class RuntimeConfig:
         for name in ("max_batch", "page_size", "prefill_chunk", "max_waiting"):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_seq < 0:
-            raise InvalidArgument(f"max_seq must be >= 0, got {self.max_seq}")
+        for name in ("max_seq", "max_tokens_per_step", "kv_memory_bytes"):
+            if getattr(self, name) < 0:
+                raise InvalidArgument(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.kv_memory_fraction < 1.0:
+            raise InvalidArgument(
+                f"kv_memory_fraction must be in [0, 1), got {self.kv_memory_fraction}")
+
+    def step_tokens(self, engine_default: int) -> int:
+        """Tokens per step: the configured budget or the engine's, never below max_batch
+        (every decode row fits)."""
+        return max(self.max_tokens_per_step or engine_default, self.max_batch)
 
     def resolved_max_seq(self, model_max_position: int) -> int:
         if self.max_seq == 0:

@@ -5,15 +5,17 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from llm_runner_svc.engines.base import HiddenStates, SampleSpec
 from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.models.tokenizer import StreamDecoder
-from llm_runner_svc.runtime.sampling import SamplingParams
+from llm_runner_svc.runtime.sampling import SamplingParams, uniform_draw
 from llm_runner_svc.runtime.stops import StopMatcher
 from services.stage.ending import FinishReason  # the contract's reasons, shared with stages
 
-__all__ = ["FinishReason", "GenerationRequest", "RequestMetrics", "SequenceState", "StepEvent"]
+__all__ = ["FinishReason", "GenerationRequest", "RequestMetrics", "SeqStatus", "SequenceState",
+           "StepEvent"]
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,23 @@ class StepEvent:
     hidden: list[HiddenStates] = field(default_factory=list)
 
 
+class SeqStatus(StrEnum):
+    WAITING = "waiting"  # admitted, no KV yet
+    PREFILLING = "prefilling"  # holds a batch row, part of its tokens computed
+    DECODING = "decoding"  # every known token computed; one token per step
+    PREEMPTED = "preempted"  # pages taken back; waits to recompute its tokens
+    FINISHED = "finished"
+
+
 class SequenceState:
-    """Mutable state of one admitted request inside the runtime."""
+    """Mutable state of one admitted request inside the runtime.
+
+    `known` is the prompt followed by every accepted token; `computed` counts the positions
+    already handed to the engine (their KV written, or being written). A pick launched but
+    not read yet is `pending`; the last launched forward's pick for this request sits in
+    its row `pick_row` of launch `pick_launch`. Picks read while the request is held wait
+    in `stash` until it steps again.
+    """
 
     def __init__(self, req: GenerationRequest, decoder: StreamDecoder, stops: StopMatcher) -> None:
         self.req = req
@@ -84,13 +101,21 @@ class SequenceState:
         self.stops = stops
         self.pages: list[int] = []
         self.output_ids: list[int] = []
-        self.next_position = 0  # KV positions written so far
-        self.last_token = -1  # the token to feed at next_position
+        self.status = SeqStatus.WAITING
+        self.order = 0  # admission order into the batch (newest is preempted first)
+        self.known: list[int] = list(req.prompt_ids)
+        self.computed = 0
+        self.pending = 0
+        self.pick_launch = -1
+        self.pick_row = 0
+        self.hidden_upto = 0  # positions whose hidden states were delivered
+        self.stash: list[tuple[int | None, HiddenStates | None, int]] = []
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.metrics = RequestMetrics(prompt_tokens=len(req.prompt_ids))
         self.t_submit = time.perf_counter()
         self.t_first_token = 0.0
+        self.t_scheduled = 0.0  # first time a row of it was launched
         self.greedy_spec: SampleSpec | None = None  # set by the first greedy pick
 
     def latch(self, reason: FinishReason, error: str | None = None) -> bool:
@@ -100,3 +125,15 @@ class SequenceState:
         self.finish_reason = reason
         self.error = error
         return True
+
+    def spec(self, index: int) -> SampleSpec:
+        """How to pick output token `index`. A greedy pick uses no draw, so a greedy
+        request's spec is the same every step: built once."""
+        if self.greedy_spec is not None:
+            return self.greedy_spec
+        sp = self.req.sampling
+        spec = SampleSpec(sp.temperature, sp.top_k, sp.top_p, uniform_draw(sp.seed, index),
+                          sp.logit_bias or None)
+        if spec.is_greedy:
+            self.greedy_spec = spec
+        return spec

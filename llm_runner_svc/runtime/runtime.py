@@ -1,23 +1,19 @@
-"""The inference runtime: continuous batching over one engine.
+"""The inference runtime: continuous batching over one engine, steps built by a scheduler.
 
-Requests are submitted from any thread; one thread calls `step()`. A step first applies
-cancellations (so a cancel lands at the top of the next step), then prefills requests that
-fit into free batch rows, then runs one decode step for every request that was already
-decoding. Joining and leaving happen only at these boundaries.
-
-On an engine that chains decodes (`Engine.supports_chaining`), a decode step also starts the
-next one for the same rows before it reads its own picks: the next step's tokens are the
-picks the engine still holds, so the device works on step n+1 while the host turns step n
-into events. A step that finds the batch as that decode left it reads its picks and starts
-the one after; any change (a join, a cancel, a request that ended) first reads the picks of
-the decode in flight, and that step decodes nothing more. Requests capturing hidden states,
-and rows about to reach their length limit, are not run ahead.
+Requests are submitted from any thread; one thread calls `step()`. A step applies
+cancellations first (a cancel lands at the top of the next step), then asks the scheduler
+(scheduler.py) for the next batch (decode rows, prefill chunks, joins under the token
+budget), launches it on the engine, and only then reads the batch launched by the step
+before and turns it into events: the engine works on step n+1 while the host handles step
+n. A step that finds nothing in flight launches two batches and reads the first, so every
+step returns the tokens of one forward. Nothing else is special-cased: a join, a leave, a
+cancel or a preemption only changes which rows the next batch holds, and rows of a request
+that ended meanwhile are dropped when their batch is read.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Iterator
 
 from llm_runner_svc.engines.base import Engine, EnginePlan
@@ -28,7 +24,7 @@ from llm_runner_svc.errors import (
     RunnerError,
 )
 from llm_runner_svc.models.tokenizer import StreamDecoder, Tokenizer
-from llm_runner_svc.runtime.advance import SequenceAdvance
+from llm_runner_svc.runtime.advance import Flight, SequenceAdvance
 from llm_runner_svc.runtime.config import RuntimeConfig
 from llm_runner_svc.runtime.kv import PagePool
 from llm_runner_svc.runtime.request import (
@@ -37,6 +33,7 @@ from llm_runner_svc.runtime.request import (
     SequenceState,
     StepEvent,
 )
+from llm_runner_svc.runtime.scheduler import Scheduler
 from llm_runner_svc.runtime.stops import StopMatcher
 
 
@@ -49,20 +46,38 @@ class InferenceRuntime(SequenceAdvance):
         self.tokenizer = tokenizer
         self.config = config
         self.max_seq = config.resolved_max_seq(engine.config.max_position)
-        pages_per_seq = -(-self.max_seq // config.page_size)
+        self.step_tokens = config.step_tokens(engine.default_step_tokens)
         self.plan = EnginePlan(
             max_batch=config.max_batch, max_seq=self.max_seq, page_size=config.page_size,
-            num_pages=config.max_batch * pages_per_seq, prefill_chunk=config.prefill_chunk,
+            num_pages=self._pool_pages(), prefill_chunk=config.prefill_chunk,
             hidden_layer=config.hidden_layer)
         self.pages = PagePool(self.plan.num_pages, config.page_size)
+        self.scheduler = Scheduler(self.pages, config.max_batch, self.step_tokens, self.max_seq)
         self._eos = frozenset(engine.config.eos_ids) | frozenset(tokenizer.eos_ids)
         self._lock = threading.Lock()
-        self._waiting: deque[SequenceState] = deque()
-        self._running: list[SequenceState] = []
         self._seqs: dict[str, SequenceState] = {}
         self._cancels: set[str] = set()
-        self._ahead = None
+        self._flight: Flight | None = None
         self._is_ready = False
+
+    def _pool_pages(self) -> int:
+        """Pages in the KV pool: a share of the device's free memory, a byte budget, or
+        (neither set) room for max_batch requests of max_seq positions."""
+        cfg = self.config
+        page_bytes = self.engine.kv_bytes_per_token() * cfg.page_size
+        if cfg.kv_memory_fraction > 0:
+            free = self.engine.free_device_bytes()
+            if free is None:
+                raise InvalidArgument(f"kvMemoryFraction needs an engine on a device; engine "
+                                      f"{self.engine.name} runs on the host (use a byte budget)")
+            num = int(free * cfg.kv_memory_fraction) // page_bytes
+        elif cfg.kv_memory_bytes > 0:
+            num = cfg.kv_memory_bytes // page_bytes
+        else:
+            num = cfg.max_batch * -(-self.max_seq // cfg.page_size)
+        if num <= 0:
+            raise InvalidArgument(f"the KV memory budget holds no page of {page_bytes} bytes")
+        return num
 
     # ---- lifecycle -------------------------------------------------------------------
     def preallocate(self) -> None:
@@ -73,27 +88,24 @@ class InferenceRuntime(SequenceAdvance):
     def close(self) -> None:
         """Release the engine's buffers; requests still in flight are dropped. Idempotent."""
         with self._lock:
-            for seq in list(self._seqs.values()):
-                self.pages.release(seq.pages)
+            self.scheduler.clear()
             self._seqs.clear()
-            self._waiting.clear()
-            self._running.clear()
-            self._ahead = None
+            self._flight = None
         self.engine.close()
         self._is_ready = False
 
     # ---- admission -------------------------------------------------------------------
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.scheduler.waiting)
 
     @property
     def has_work(self) -> bool:
-        return bool(self._running or self._waiting or self._cancels)
+        return bool(self._seqs or self._cancels)
 
     def admission_error(self, req: GenerationRequest) -> RunnerError | None:
         """Why `req` cannot be served, or None. Cheap; allocates nothing."""
@@ -113,7 +125,12 @@ class InferenceRuntime(SequenceAdvance):
                                       "declares no hidden port (accept_hidden_layer unset)")
         if req.request_id in self._seqs:
             return FailedPrecondition(f"request id {req.request_id!r} is already in flight")
-        if len(self._waiting) >= self.config.max_waiting:
+        need = self.pages.pages_for(min(n + req.sampling.max_new_tokens, self.max_seq))
+        if need > self.pages.num_pages:
+            return ResourceExhausted(
+                f"prompt of {n} tokens and max_tokens {req.sampling.max_new_tokens} need "
+                f"{need} KV pages; the pool holds {self.pages.num_pages}")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
             return ResourceExhausted(
                 f"waiting queue is full ({self.config.max_waiting} requests)")
         return None
@@ -131,7 +148,7 @@ class InferenceRuntime(SequenceAdvance):
             seq = SequenceState(req, StreamDecoder(self.tokenizer, after_bos),
                                 StopMatcher(req.stop))
             self._seqs[req.request_id] = seq
-            self._waiting.append(seq)
+            self.scheduler.add(seq)
 
     def cancel(self, request_id: str) -> bool:
         """Ask for `request_id` to end as cancelled at the top of the next step."""
@@ -153,13 +170,7 @@ class InferenceRuntime(SequenceAdvance):
         cancels land. Same thread as `step()`.
         """
         events: dict[str, StepEvent] = {}
-        with self._lock:
-            self._take_cancels()
-            ended = [s for s in (*self._running, *self._waiting) if s.finish_reason is not None]
-            self._waiting = deque(s for s in self._waiting if s.finish_reason is None)
-        for seq in ended:
-            self._finish(seq, self._event(events, seq))
-        self._running = [s for s in self._running if s.finish_reason is None]
+        self._end_cancelled(events)
         return list(events.values())
 
     def can_step(self, held: frozenset[str] = frozenset()) -> bool:
@@ -168,42 +179,19 @@ class InferenceRuntime(SequenceAdvance):
 
     def step(self, held: frozenset[str] = frozenset()) -> list[StepEvent]:
         """Run one step; return an event for every request that changed. Requests in `held`
-        take no part (no prefill, no decode; their pages stay), though a decode of theirs
-        already started ahead is still read."""
-        with self._lock:
-            cancels = self._take_cancels()
-            ended = [s for s in (*self._running, *self._waiting) if s.finish_reason is not None]
-            if cancels:
-                self._waiting = deque(s for s in self._waiting if s.finish_reason is None)
-            live = [s for s in self._running if s.finish_reason is None]
-            decoding = [s for s in live if s.req.request_id not in held]
-            num_joins = min(len(self._waiting), self.config.max_batch - len(live))
-            joins = [seq for seq in self._waiting if seq.req.request_id not in held][:num_joins]
-            if joins:
-                taken = {id(seq) for seq in joins}
-                self._waiting = deque(s for s in self._waiting if id(s) not in taken)
+        take no part (no prefill chunk, no decode row; their pages stay), and what their
+        rows already in flight produce waits until they step again."""
         events: dict[str, StepEvent] = {}
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            if not ended and not joins and decoding == ahead.batch:
-                self._step_chained(ahead, events)
-                return list(events.values())
-            self._read_ahead(ahead, events)  # this step's tokens; it decodes nothing more
-            decoding = [s for s in decoding if s.finish_reason is None]
-            live = [s for s in live if s.finish_reason is None]
-        for seq in ended:
-            self._finish(seq, self._event(events, seq))
-        self._running = list(live)  # joins below must not enter this step's decode
-        for seq in joins:
-            ev = self._event(events, seq)
-            if seq.finish_reason is None:
-                self._prefill(seq, ev)
-            if seq.finish_reason is None:
-                self._running.append(seq)
-            else:
-                self._finish(seq, ev)
-        if decoding and ahead is None:
-            self._decode(decoding, events)
+        self._end_cancelled(events)
+        self._deliver_stashed(held, events)
+        flight, self._flight = self._flight, None
+        if flight is not None and not flight.is_live():
+            flight = None  # every row's request has ended: nothing there to read
+        if flight is None:
+            flight = self._launch(held, events)
+        if flight is not None:
+            self._flight = self._launch(held, events)
+            self._take(flight, held, events)
         return list(events.values())
 
     def generate(self, req: GenerationRequest) -> Iterator[StepEvent]:
@@ -218,11 +206,11 @@ class InferenceRuntime(SequenceAdvance):
                     return
 
     # ---- internals -------------------------------------------------------------------
-    def _take_cancels(self) -> set[str]:
-        """Latch CANCELLED on every pending cancel; the caller holds the lock."""
-        cancels, self._cancels = self._cancels, set()
-        for rid in cancels:
-            seq = self._seqs.get(rid)
-            if seq is not None:
-                seq.latch(FinishReason.CANCELLED)
-        return cancels
+    def _end_cancelled(self, events: dict[str, StepEvent]) -> None:
+        """Requests whose cancel is pending end now, as cancelled."""
+        with self._lock:
+            cancels, self._cancels = self._cancels, set()
+            ended = [self._seqs[rid] for rid in cancels if rid in self._seqs]
+        for seq in ended:
+            seq.latch(FinishReason.CANCELLED)
+            self._finish(seq, self._event(events, seq))

@@ -30,7 +30,8 @@ RUNNER = "llm.backbone"
 _BUILTIN = ("stories260K", "smollm2")
 _STAGE_KEYS = {"id", "runner", "artifact", "engine", "emits", "inputs", "maxBatch", "maxSeq",
                "config", "ports", "maxQueued", "maxTokensInFlight", "device",
-               "creditIdleTimeoutS"}
+               "creditIdleTimeoutS", "maxTokensPerStep", "kvMemoryBytes",
+               "kvMemoryFraction"}
 _PORT_KEYS = {"policy", "buffer", "shmRingBytes"}
 _INPUTS = ("request:text", "request:messages", "request:token_ids")
 _EMITS = ("text", "tokens", "hidden")
@@ -58,6 +59,9 @@ class StageConfig:
     max_queued: int = 0  # admitted requests not yet decoding, beyond which Admit refuses (0 = off)
     max_tokens_in_flight: int = 0  # sum of prompt + max new tokens of unended runs (0 = off)
     credit_idle_timeout_s: float = 60.0  # a Step stream out of credit this long is ended
+    max_tokens_per_step: int = 0  # decode rows + prefill chunks per step (0 = engine default)
+    kv_memory_bytes: int = 0  # KV pool on the host (0 = maxBatch requests of maxSeq)
+    kv_memory_fraction: float = 0.0  # KV pool on a GPU: share of free memory (0 = by bytes)
 
     engine_dir: str = ""  # a build-engine directory the engine loads its plan from
     runtime_cache: str = ""  # the tensorrt engine's runtime cache file (read at start, saved)
@@ -85,6 +89,11 @@ class StageConfig:
         if not self.credit_idle_timeout_s > 0:
             raise ConfigError(f"creditIdleTimeoutS must be a number of seconds > 0, got "
                               f"{self.credit_idle_timeout_s}")
+        if self.max_tokens_per_step < 0 or self.kv_memory_bytes < 0 \
+                or not 0.0 <= self.kv_memory_fraction < 1.0:
+            raise ConfigError(f"maxTokensPerStep and kvMemoryBytes must be >= 0 and "
+                              f"kvMemoryFraction in [0, 1), got {self.max_tokens_per_step}, "
+                              f"{self.kv_memory_bytes} and {self.kv_memory_fraction}")
         if self.engine not in engine_names():
             raise ConfigError(f"engine {self.engine!r} is unknown; valid: {engine_names()}")
         if self.device and self.engine != "torch":
@@ -165,6 +174,9 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
         max_queued=_typed(raw, "maxQueued", int, 0),
         max_tokens_in_flight=_typed(raw, "maxTokensInFlight", int, 0),
         credit_idle_timeout_s=float(_typed(raw, "creditIdleTimeoutS", float, 60.0)),
+        max_tokens_per_step=_typed(raw, "maxTokensPerStep", int, 0),
+        kv_memory_bytes=_typed(raw, "kvMemoryBytes", int, 0),
+        kv_memory_fraction=_typed(raw, "kvMemoryFraction", float, 0.0),
         device=_typed(raw, "device", str, ""))
 
 

@@ -70,7 +70,9 @@ class LlmStage(StageCore):
         hidden = config.accept_hidden_layer if config.has_hidden_port else None
         rt_config = RuntimeConfig(
             max_batch=config.max_batch, max_seq=config.max_seq, max_waiting=config.max_waiting,
-            hidden_layer=hidden, sampling=config.sampling)
+            hidden_layer=hidden, sampling=config.sampling,
+            max_tokens_per_step=config.max_tokens_per_step,
+            kv_memory_bytes=config.kv_memory_bytes, kv_memory_fraction=config.kv_memory_fraction)
         factory = runtime_factory or runtime_factory_from_env()
         return cls(config, model, factory(engine, model.tokenizer, rt_config), slot_ttl_s,
                    max_message_bytes)

@@ -1,0 +1,136 @@
+"""What one step asks of an engine: a batch of variable-length rows, and what comes back.
+
+A row is one request's part of a step: a prefill chunk (several prompt tokens), a decode
+(one token), or the tokens a preempted request recomputes. Every row ends with its last
+position's logits in the engine's logits row of the same index; a row with a `sample` spec
+also gets a pick from them. Pure Python: the runtime builds batches without a tensor library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+GREEDY_TEMPERATURE = 1e-3
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """How to pick one row's next token. `uniform` is the row's random draw in [0, 1)."""
+
+    temperature: float
+    top_k: int  # 0 = whole vocabulary
+    top_p: float
+    uniform: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
+    is_greedy: bool = field(init=False, repr=False, compare=False)  # read on every step
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_greedy",
+                           self.temperature < GREEDY_TEMPERATURE or self.top_k == 1)
+
+
+@dataclass(frozen=True)
+class HiddenStates:
+    """Captured states for a window of positions; arrays are the engine's host tensors."""
+
+    embeddings: Any  # [num_positions, hidden] layer-0 (token embedding) output
+    states: Any  # [num_positions, hidden] at the plan's hidden_layer
+    start_position: int
+
+
+@dataclass(frozen=True)
+class Row:
+    """Tokens fed at positions start .. end-1 of one request, their KV written into `pages`.
+
+    `from_pick` names a row of the engine's previous forward: this row feeds that row's pick
+    (one token, still on the engine when the runtime builds this batch) and `tokens` is
+    empty. Otherwise `tokens` holds the tokens to feed.
+    """
+
+    tokens: tuple[int, ...]
+    start: int
+    pages: Sequence[int]  # page ids holding positions 0 .. end-1 (read at launch)
+    sample: SampleSpec | None = None  # pick a token after the last position
+    capture_hidden: bool = False
+    from_pick: int | None = None
+
+    @property
+    def length(self) -> int:
+        return 1 if self.from_pick is not None else len(self.tokens)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The rows of one forward, at most one per request."""
+
+    rows: Sequence[Row]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.length for r in self.rows)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What `Engine.read` gives back for a batch: per row, its pick (None for a row without
+    a sample spec) and its captured states (None for a row that did not ask)."""
+
+    picks: Sequence[int | None]
+    hidden: Sequence[HiddenStates | None]
+
+
+@dataclass
+class Segment:
+    """A stretch of one batch row inside one engine pass (a long row spans passes)."""
+
+    row: int  # the batch row
+    offset: int  # first token of the stretch within the pass
+    tokens: list[int]
+    start: int  # position of the first token
+    pages: Sequence[int]
+    is_last: bool  # the row ends here: its logits go to logits row `row`
+
+
+@dataclass
+class Pass:
+    """Up to the engine's tokens-per-forward of a batch, run in one go."""
+
+    segments: list[Segment]
+    capture: bool  # some row asked for hidden states
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.segments)
+
+
+def split_passes(batch: Batch, tokens: list[list[int]], max_tokens: int,
+                 max_segment: int) -> list[Pass]:
+    """Cut the rows (their resolved `tokens`) into passes of at most `max_tokens` tokens,
+    no stretch longer than `max_segment`. A row's stretches keep their order across passes,
+    so a later stretch attends to the KV an earlier pass wrote."""
+    passes: list[Pass] = []
+    current: list[Segment] = []
+    used = 0
+    capture = False
+    for i, (row, toks) in enumerate(zip(batch.rows, tokens, strict=True)):
+        lo = 0
+        while lo < len(toks):
+            if used == max_tokens:
+                passes.append(Pass(current, capture))
+                current, used, capture = [], 0, False
+            n = min(len(toks) - lo, max_tokens - used, max_segment)
+            current.append(Segment(i, used, toks[lo:lo + n], row.start + lo, row.pages,
+                                   lo + n == len(toks)))
+            capture = capture or row.capture_hidden
+            used += n
+            lo += n
+    if current:
+        passes.append(Pass(current, capture))
+    return passes
+

@@ -1,0 +1,104 @@
+"""The common frame of an engine that computes on the host (numpy, the graph engines).
+
+`launch` checks the batch, resolves rows that feed the previous forward's picks, cuts the
+rows into passes of at most `plan.max_tokens` tokens (`batch.split_passes`), gathers each
+row's captured states across passes and samples the rows that ask for a pick. A subclass
+implements only `_run(pass)`. Everything runs inside `launch`, so `read` has nothing left to
+wait for. The single-request calls (`prefill`, `decode`, `sample`, `logits`) are one-row or
+one-token batches, kept for tools and engine-level tests.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+
+from llm_runner_svc.engines.base import (
+    DecodeRow,
+    Engine,
+    EnginePlan,
+    HiddenStates,
+    SampleSpec,
+    check_batch,
+    resolve_tokens,
+)
+from llm_runner_svc.engines.batch import Batch, Pass, Row, StepOutput, split_passes
+from llm_runner_svc.engines.numpy_sampling import apply_logit_bias, sample_rows
+from llm_runner_svc.errors import FailedPrecondition
+
+
+class BatchedEngine(Engine):
+    """Set by the subclass in `preallocate`: `_plan` and `_logits` [max_batch, vocab]."""
+
+    _plan: EnginePlan | None
+    _logits: np.ndarray
+    _last_picks: Sequence[int | None] | None = None
+
+    @abstractmethod
+    def _run(self, p: Pass) -> tuple[np.ndarray, np.ndarray] | None:
+        """Run the pass: write every token's KV into its row's pages, leave the last token's
+        logits of each segment with `is_last` in logits row `segment.row`. When `p.capture`,
+        return the layer-0 and hidden-layer states [pass tokens, hidden], in pass order
+        (valid until the next pass)."""
+
+    def _checked_plan(self) -> EnginePlan:
+        if self._plan is None:
+            raise FailedPrecondition("engine used before preallocate()")
+        return self._plan
+
+    def launch(self, batch: Batch) -> StepOutput:
+        plan = self._checked_plan()
+        check_batch(self.config, plan, batch)
+        tokens = resolve_tokens(batch, self._last_picks)
+        rows = batch.rows
+        caps: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in rows]
+        for p in split_passes(batch, tokens, plan.max_tokens, plan.prefill_chunk):
+            states = self._run(p)
+            if states is None:
+                continue
+            for seg in p.segments:
+                if rows[seg.row].capture_hidden:
+                    span = slice(seg.offset, seg.offset + len(seg.tokens))
+                    caps[seg.row].append((states[0][span].copy(), states[1][span].copy()))
+        hidden = [HiddenStates(np.concatenate([e for e, _ in c]),
+                               np.concatenate([s for _, s in c]), row.start)
+                  if row.capture_hidden else None for row, c in zip(rows, caps, strict=True)]
+        picks: list[int | None] = [None] * len(rows)
+        chosen = [i for i, r in enumerate(rows) if r.sample is not None]
+        if chosen:
+            specs = [rows[i].sample for i in chosen]
+            logits = self._logits[chosen]
+            apply_logit_bias(logits, specs)  # type: ignore[arg-type]
+            for i, tok in zip(chosen, sample_rows(logits, specs), strict=True):  # type: ignore[arg-type]
+                picks[i] = tok
+        self._last_picks = picks
+        return StepOutput(picks, hidden)
+
+    def read(self, handle: StepOutput) -> StepOutput:
+        return handle
+
+    # ---- single-request calls ------------------------------------------------------------
+    def prefill(self, token_ids: Sequence[int], start_pos: int, page_table: Sequence[int],
+                capture_hidden: bool = False) -> HiddenStates | None:
+        row = Row(tuple(token_ids), start_pos, tuple(page_table), capture_hidden=capture_hidden)
+        return self.launch(Batch((row,))).hidden[0]
+
+    def decode(self, rows: Sequence[DecodeRow]) -> list[HiddenStates | None]:
+        batch = Batch(tuple(Row((r.token_id,), r.position, tuple(r.page_table),
+                                capture_hidden=r.capture_hidden) for r in rows))
+        return list(self.launch(batch).hidden)
+
+    def sample(self, specs: Sequence[SampleSpec]) -> list[int]:
+        self._checked_plan()
+        logits = self._logits[:len(specs)]
+        apply_logit_bias(logits, specs)
+        return sample_rows(logits, specs)
+
+    def logits(self, num_rows: int) -> np.ndarray:
+        self._checked_plan()
+        return self._logits[:num_rows]
+
+    def close(self) -> None:
+        self._last_picks = None

@@ -1,0 +1,178 @@
+"""The scheduler: who runs in the next step, and with how many tokens. Pure Python.
+
+It owns the waiting queue, the running set (at most `max_batch` requests, each holding a
+batch row) and the page pool. Every step, `schedule` builds one batch under a token budget:
+
+1. a decode row (one token) for every running request whose tokens are all computed, oldest
+   first; a row that needs a page the pool lacks takes it back from the newest running
+   request without a row in this batch (preemption: its pages are freed and it goes back to
+   the front of the queue to recompute its prompt and outputs), or, when there is none,
+   from the request itself;
+2. the next prefill chunk of every running request still prefilling, as much as the budget
+   and the free pages allow;
+3. while rows, budget and pages last (and nothing was preempted this step), waiting
+   requests join with their first chunk, so several short prompts prefill in one forward.
+
+A long prompt is thus spread over several steps beside the decodes (chunked prefill). A
+row's last position gets a pick when it is the request's last known token; a decode row may
+feed the pick of the previous forward still on the engine (`Row.from_pick`), which is how
+the runtime launches step n+1 before it reads step n.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Set
+
+from llm_runner_svc.engines.batch import Row
+from llm_runner_svc.runtime.kv import PagePool
+from llm_runner_svc.runtime.request import SeqStatus, SequenceState
+
+Planned = list[tuple[SequenceState, Row]]
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, max_batch: int, max_tokens: int, max_seq: int) -> None:
+        self.pool = pool
+        self.max_batch = max_batch
+        self.max_tokens = max_tokens
+        self.max_seq = max_seq
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []
+        self.launches = 0  # batches handed out; a pick is named by (launch, row)
+        self.preemptions = 0
+        self._admitted = 0
+
+    def add(self, seq: SequenceState) -> None:
+        self.waiting.append(seq)
+
+    def drop(self, seq: SequenceState) -> None:
+        """`seq` ended: out of the queue or the running set, its pages back in the pool."""
+        if seq.status in (SeqStatus.WAITING, SeqStatus.PREEMPTED):
+            self.waiting.remove(seq)
+        elif seq.status is not SeqStatus.FINISHED:
+            self.running.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self.pool.release(seq.pages)
+
+    def clear(self) -> None:
+        for seq in (*self.running, *self.waiting):
+            self.pool.release(seq.pages)
+        self.running.clear()
+        self.waiting.clear()
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self, held: Set[str] = frozenset()) -> Planned:
+        """The rows of the next forward (empty: nothing to run). Commits what it plans:
+        pages are allocated and each request's computed positions advance."""
+        plan: Planned = []
+        budget = self.max_tokens
+        preempted = self.preemptions
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is SeqStatus.DECODING and self._may_step(seq, held):
+                budget -= self._decode(seq, plan)
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is SeqStatus.PREFILLING and self._may_step(seq, held):
+                budget -= self._chunk(seq, budget, plan)
+        if self.preemptions == preempted:
+            budget = self._admit(budget, held, plan)
+        if plan:
+            self.launches += 1
+        return plan
+
+    @staticmethod
+    def _may_step(seq: SequenceState, held: Set[str]) -> bool:
+        return not seq.stash and seq.req.request_id not in held
+
+    def _decode(self, seq: SequenceState, plan: Planned) -> int:
+        """A one-token row for `seq`, or none at its length limits; tokens used."""
+        index = len(seq.output_ids) + seq.pending
+        if index >= seq.req.sampling.max_new_tokens or seq.computed >= self.max_seq:
+            return 0
+        if seq.pending:
+            if seq.pick_launch != self.launches:
+                return 0  # its pick is not the last forward's: read first
+            tokens: tuple[int, ...] = ()
+            from_pick: int | None = seq.pick_row
+        else:
+            tokens, from_pick = tuple(seq.known[seq.computed:seq.computed + 1]), None
+        if not self._grow(seq, seq.computed + 1, plan):
+            self.preempt(seq)
+            return 0
+        self._plan_row(seq, plan, tokens, from_pick, pick=True)
+        return 1
+
+    def _chunk(self, seq: SequenceState, budget: int, plan: Planned) -> int:
+        """The next prefill chunk of `seq`, cut to the budget and the free pages."""
+        ps = self.pool.page_size
+        room = (len(seq.pages) + self.pool.num_free) * ps - seq.computed
+        n = min(len(seq.known) - seq.computed, budget, room)
+        if n <= 0:
+            return 0
+        self._grow(seq, seq.computed + n, plan)
+        tokens = tuple(seq.known[seq.computed:seq.computed + n])
+        self._plan_row(seq, plan, tokens, None, pick=seq.computed + n == len(seq.known))
+        return n
+
+    def _admit(self, budget: int, held: Set[str], plan: Planned) -> int:
+        """Waiting requests join while rows, budget and pages last; pages for one more
+        token per decoding request stay free, so a join does not force a preemption."""
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_batch:
+                break
+            if seq.pending or not self._may_step(seq, held):
+                continue
+            n = min(len(seq.known), budget)
+            decoding = sum(1 for s in self.running if s.status is SeqStatus.DECODING)
+            if self.pool.pages_for(n) + decoding > self.pool.num_free:
+                break
+            self.waiting.remove(seq)
+            if seq.status is SeqStatus.WAITING:
+                self._admitted += 1
+                seq.order = self._admitted
+            seq.status = SeqStatus.PREFILLING
+            self.running.append(seq)
+            self.running.sort(key=lambda s: s.order)
+            budget -= self._chunk(seq, n, plan)
+        return budget
+
+    def _plan_row(self, seq: SequenceState, plan: Planned, tokens: tuple[int, ...],
+                  from_pick: int | None, pick: bool) -> None:
+        start = seq.computed
+        spec = seq.spec(len(seq.output_ids) + seq.pending) if pick else None
+        row = Row(tokens, start, seq.pages, spec, seq.req.capture_hidden, from_pick)
+        seq.computed = row.end
+        if pick:
+            seq.pending += 1
+            seq.pick_launch, seq.pick_row = self.launches + 1, len(plan)
+            seq.status = SeqStatus.DECODING
+        plan.append((seq, row))
+
+    def _grow(self, seq: SequenceState, end: int, plan: Planned) -> bool:
+        """Pages for positions up to `end`, preempting newer requests without a row in
+        `plan` while the pool is short. False when it stays short."""
+        need = self.pool.pages_for(end) - len(seq.pages)
+        while need > self.pool.num_free:
+            in_plan = {id(s) for s, _ in plan}
+            victims = [s for s in self.running if s is not seq and id(s) not in in_plan]
+            if not victims:
+                return False
+            self.preempt(victims[-1])
+        if need > 0:
+            seq.pages.extend(self.pool.allocate(need))
+        return True
+
+    def preempt(self, seq: SequenceState) -> None:
+        """Take `seq`'s pages back; it waits at the front of the queue and recomputes its
+        known tokens when it joins again (a pick still in flight is accepted as usual)."""
+        self.running.remove(seq)
+        self.pool.release(seq.pages)
+        seq.computed = 0
+        seq.status = SeqStatus.PREEMPTED
+        seq.pick_launch = -1
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
