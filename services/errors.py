@@ -59,6 +59,12 @@ class Unavailable(ServiceError):
     code = "UNAVAILABLE"
 
 
+class AlreadyExists(ServiceError):
+    """Something with that name (a request id) is already there."""
+
+    code = "ALREADY_EXISTS"
+
+
 class DeadlineExceeded(ServiceError):
     """The caller's deadline passed before the work was done."""
 
@@ -79,7 +85,7 @@ class Internal(ServiceError):
 
 _BY_CODE: dict[str, type[ServiceError]] = {cls.code: cls for cls in (
     InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Unimplemented,
-    Unavailable, DeadlineExceeded, Cancelled, Internal)}
+    Unavailable, AlreadyExists, DeadlineExceeded, Cancelled, Internal)}
 
 
 def error_for(code: str, message: str) -> ServiceError:

@@ -15,9 +15,9 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.errors import (
+    AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
-    InvalidArgument,
     ResourceExhausted,
     ServiceError,
     Unavailable,
@@ -48,6 +48,7 @@ class Orchestrator:
         self.pools = {s.stage_id: StagePool(s.stage_id, s.endpoints, max_message_bytes)
                       for s in topology.stages}
         self.runs: dict[str, RequestRun] = {}
+        self._queued: dict[str, asyncio.Event] = {}  # request id -> set to cancel it
         self.num_running = 0
         self.num_queued = 0
         self._slots = asyncio.Semaphore(topology.max_running)
@@ -127,10 +128,13 @@ class Orchestrator:
         deadline = None if time_remaining is None else loop.time() + time_remaining
         request_id = call.request_id or uuid.uuid4().hex
         span.set_attribute("llmstage.request_id", request_id)
-        if request_id in self.runs:
-            raise InvalidArgument(f"request id {request_id!r} is already running")
+        if request_id in self.runs or request_id in self._queued:
+            where = "running" if request_id in self.runs else "queued"
+            raise AlreadyExists(f"request id {request_id!r} is already {where}")
         route = compute_route(self.topology, call.sinks, [call.prompt_field])
-        await self._acquire(deadline)
+        if not await self._acquire(deadline, request_id):
+            yield FinalReport(request_id, FinishReason.CANCELLED, route.stages)
+            return
         try:
             placements = []
             for sid in route.stages:
@@ -168,11 +172,16 @@ class Orchestrator:
         }
 
     def cancel(self, request_id: str) -> bool:
+        """Cancel a running or queued request; False when no such request is in flight."""
         run = self.runs.get(request_id)
-        if run is None:
-            return False
-        run.cancel()
-        return True
+        if run is not None:
+            run.cancel()
+            return True
+        queued = self._queued.get(request_id)
+        if queued is not None:
+            queued.set()  # its Generate ends with finish reason CANCELLED, nothing generated
+            return True
+        return False
 
     # ---- internals ---------------------------------------------------------------------
     def _wiring(self, stage_id: str, active: tuple[str, ...], sinks: tuple[str, ...]
@@ -191,23 +200,39 @@ class Orchestrator:
                        if inp.split(":", 1)[0] in active)
         return ports, inputs
 
-    async def _acquire(self, deadline: float | None) -> None:
+    async def _acquire(self, deadline: float | None, request_id: str) -> bool:
+        """Wait for a running slot; False when the request was cancelled while queued."""
         if self._slots.locked() and self.num_queued >= self.topology.max_queued:
             raise ResourceExhausted(
                 f"admission queue is full ({self.num_running} running, {self.num_queued} "
                 f"waiting; limits {self.topology.max_running} and {self.topology.max_queued})")
+        loop = asyncio.get_running_loop()
+        cancelled = self._queued[request_id] = asyncio.Event()
         self.num_queued += 1
         t0 = time.perf_counter()
+        acquire = loop.create_task(self._slots.acquire())
+        watch = loop.create_task(cancelled.wait())
+        is_acquired = False
         try:
-            timeout = None if deadline is None else \
-                max(0.0, deadline - asyncio.get_running_loop().time())
-            await asyncio.wait_for(self._slots.acquire(), timeout)
-        except TimeoutError:
-            raise DeadlineExceeded("deadline exceeded while queued for admission") from None
+            timeout = None if deadline is None else max(0.0, deadline - loop.time())
+            await asyncio.wait((acquire, watch), timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+            is_acquired = acquire.done() and not cancelled.is_set()
         finally:
+            watch.cancel()
             self.num_queued -= 1
+            del self._queued[request_id]
+            if not acquire.done():
+                acquire.cancel()
+            elif not is_acquired and not acquire.cancelled():
+                self._slots.release()  # acquired in the same turn as the cancel or the end
+        if cancelled.is_set():
+            return False
+        if not is_acquired:
+            raise DeadlineExceeded("deadline exceeded while queued for admission")
         self.metrics.queue.observe(time.perf_counter() - t0)
         self.num_running += 1
+        return True
 
     async def _drive(self, run: RequestRun) -> AsyncIterator[Event]:
         is_complete = False

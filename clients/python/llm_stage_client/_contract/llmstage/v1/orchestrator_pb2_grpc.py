@@ -59,15 +59,17 @@ class OrchestratorServicer:
     def Generate(self, request, context):
         """Generates for one request: a stream of deltas from the attached sink ports, then one final
         event with the finish reason, usage and every active stage's diagnostics. The call's deadline
-        bounds the whole request on every stage.
+        bounds the whole request on every stage. A request_id already queued or running is
+        ALREADY_EXISTS.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Cancel(self, request, context):
-        """Cancels a running Generate by request id. Acknowledged at once; every stage stops the
-        request within one step, and the Generate stream ends with finish reason CANCELLED.
+        """Cancels a queued or running Generate by request id. Acknowledged at once; every stage stops
+        the request within one step (a queued one never starts), and the Generate stream ends with
+        finish reason CANCELLED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
