@@ -9,8 +9,8 @@ from typing import Any
 
 from llm_runner_svc.stage.admission import is_queued, tokens_in_flight
 from llm_runner_svc.stage.config import StageConfig
-from services.stage.core import CoreSnapshot, core_diagnostics
 from services.stage.slot import Slot
+from services.stage.snapshot import CoreSnapshot, core_diagnostics
 
 
 def slot_diagnostics(slot: Slot, config: StageConfig) -> dict[str, Any]:

@@ -13,7 +13,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from services.errors import DeadlineExceeded, InvalidArgument, ServiceError, Unavailable
@@ -21,6 +20,7 @@ from services.stage.cohort import Cohort, JoinRefusal
 from services.stage.ending import FinishReason
 from services.stage.slot import Slot, SlotState
 from services.stage.slot_machine import Move, SlotMachine, check_slot_id
+from services.stage.snapshot import CoreSnapshot, core_diagnostics
 from services.stage.step_loop import Pairs, StepLoop
 from services.stage.stepper import Stepper
 
@@ -30,27 +30,6 @@ DEFAULT_WINDOW = 16
 MAX_WINDOW = 1024
 _UNSTARTED = (SlotState.ADMITTED, SlotState.PREPARED)
 _RUN_LIVE = (SlotState.RUNNING, SlotState.FINISHING, SlotState.ORPHANED)
-
-
-@dataclass(frozen=True)
-class CoreSnapshot:
-    """The kit's part of the stage-wide state accounting."""
-
-    num_slots: int
-    slots_by_state: Mapping[str, int]
-    num_cohorts: int
-    num_cohort_slots: int  # slots the open Step streams still index
-    num_runs_indexed: int  # runs the step loop can still route events to
-    num_steps: int
-    is_draining: bool
-
-
-def core_diagnostics(snap: CoreSnapshot) -> dict[str, Any]:
-    """The kit's keys of stage-wide Diagnostics."""
-    return {"slots": snap.num_slots, "slots_by_state": dict(snap.slots_by_state),
-            "cohorts": snap.num_cohorts, "cohort_slots": snap.num_cohort_slots,
-            "runs_indexed": snap.num_runs_indexed, "steps": snap.num_steps,
-            "draining": snap.is_draining}
 
 
 class StageCore:
