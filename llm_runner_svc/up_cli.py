@@ -1,31 +1,36 @@
 """`llm-runner up`: a whole local deployment from this install.
 
 Every stage of the topology that carries `launch` starts as an `llm-runner serve` child process
-on a free loopback port, and the orchestrator runs in this process (services/orchestrator/
-launcher.py); Ctrl-C or SIGTERM stops the orchestrator, then the children. Without a topology,
-one backbone stage serves the embedded model. The client's `llm-stage up` runs this command when
-the server package is installed.
+(or its `launch.command`) on a free loopback port, and the orchestrator runs in this process
+(services/orchestrator/launcher.py); Ctrl-C or SIGTERM stops the orchestrator, then the
+children, and the command exits 0. Without a topology, one backbone stage serves the embedded
+model. The client's `llm-stage up` runs this command when the server package is installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
 
-from llm_runner_svc.errors import InvalidArgument, Unavailable
+from llm_runner_svc.cli_common import HelpFormatter, bind_failure, is_bind_failure
+from llm_runner_svc.errors import InvalidArgument
 
 
 def add_up(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="start a local deployment: stage processes + orchestrator")
+    p = sub.add_parser("up", help="start a local deployment: stage processes + orchestrator",
+                       formatter_class=HelpFormatter)
     p.add_argument("--topology", default=None,
                    help="topology file whose stages carry `launch` (default: one backbone stage "
                         "serving the embedded model)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the orchestrator binds (0.0.0.0 for every interface); stages "
+                        "bind it too, on free ports")
     p.add_argument("--port", type=int, default=50050, help="orchestrator port (0 = any free)")
 
 
 def run_up(args: argparse.Namespace) -> int:
     """Serve until interrupted; 0 after a clean stop. Raises ServiceError when the deployment
-    cannot start."""
+    cannot start (a stage command missing or failing, the port taken)."""
     # Imported here: the other llm-runner commands do not need the orchestrator.
     from services.orchestrator.launcher import up
     from services.server import ServerOptions
@@ -34,8 +39,24 @@ def run_up(args: argparse.Namespace) -> int:
         options = ServerOptions(host=args.host, port=args.port)
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from exc
+    _check_free(args.host, args.port)
     try:
         up(args.topology, options)
-    except (RuntimeError, OSError) as exc:  # a stage child could not start or did not listen
-        raise Unavailable(f"a stage process did not start: {exc}") from exc
+    except (RuntimeError, OSError) as exc:
+        if is_bind_failure(exc):
+            raise bind_failure(args.host, args.port) from exc
+        raise
     return 0
+
+
+def _check_free(host: str, port: int) -> None:
+    """Fails before any stage process loads its model when the orchestrator's port is taken;
+    the orchestrator's own bind still decides (something may take the port in between)."""
+    if port == 0:
+        return
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.create_server((host, port), family=family):
+            pass
+    except OSError as exc:
+        raise bind_failure(host, port) from exc

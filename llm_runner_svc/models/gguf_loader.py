@@ -18,6 +18,7 @@ from jinja2 import TemplateError
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HfTokenizer
 
+import llm_runner_svc.models.progress as load_progress
 from llm_runner_svc.errors import ModelFormatError, NotFound, RunnerError, Unimplemented
 from llm_runner_svc.models.chat import ChatTemplate
 from llm_runner_svc.models.model import Model
@@ -151,6 +152,7 @@ def _dequant(t: ReaderTensor) -> np.ndarray:
         arr = arr.copy()  # detach from the memory-mapped file
     if arr.size != int(np.prod(shape)):
         raise ModelFormatError(f"GGUF tensor {t.name}: {arr.size} values, shape {shape}")
+    load_progress.advance(int(t.n_bytes))
     return arr.reshape(shape)
 
 
@@ -180,6 +182,7 @@ def _load(path: Path) -> Model:
         raise Unimplemented(f"GGUF architecture {arch!r} is not supported "
                             f"(supported: {', '.join(sorted(_ARCHS))})")
     tensors = {t.name: t for t in reader.tensors}
+    load_progress.start(sum(int(t.n_bytes) for t in reader.tensors), path.name)
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:

@@ -18,6 +18,7 @@ import tokenizers
 from jinja2 import TemplateError
 from safetensors import SafetensorError, safe_open
 
+import llm_runner_svc.models.progress as load_progress
 from llm_runner_svc.errors import ModelFormatError, NotFound, Unimplemented
 from llm_runner_svc.models.chat import ChatTemplate
 from llm_runner_svc.models.model import Model
@@ -91,8 +92,10 @@ def _load_tensors(path: Path) -> dict[str, np.ndarray]:
         if not files:
             raise NotFound(f"{path}: no *.safetensors weights (model.safetensors or shards)")
     tensors: dict[str, np.ndarray] = {}
+    load_progress.start(sum(f.stat().st_size for f in files if f.is_file()), path.name)
     for f in files:
         tensors.update(_load_safetensors(f))
+        load_progress.advance(f.stat().st_size)
     return tensors
 
 

@@ -1,6 +1,8 @@
-"""`llm-stage up`: a whole local deployment. Each launched stage replica is an `llm-runner
-serve` child process on a free loopback port; the orchestrator runs in this process. Ctrl-C (or
-SIGTERM) stops the orchestrator, then the children (each drains on SIGTERM)."""
+"""`llm-runner up` (and its alias `llm-stage up`): a whole local deployment. Each launched
+stage replica is an `llm-runner serve` child process (or its `launch.command`) on a free
+loopback port; the orchestrator runs in this process. Ctrl-C (or SIGTERM) stops the
+orchestrator, then the children (each drains on SIGTERM). A stage that cannot start raises
+FailedPrecondition (its command is missing) or Unavailable (it exited before listening)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from services.errors import FailedPrecondition, Unavailable
 from services.orchestrator.service import serve
 from services.orchestrator.topology import Topology, load_topology, single_stage, with_endpoints
 from services.server import ServerOptions
@@ -35,15 +38,19 @@ class StageProcess:
             cmd += ["--config", config]
         if stage:
             cmd += ["--stage", stage]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                                     env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                                         env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        except OSError as exc:  # no such file, or not executable
+            raise FailedPrecondition(_not_runnable(cmd[0], exc)) from exc
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         m = _LISTENING.search(line)
         if m is None:
             self.stop()
-            raise RuntimeError(f"stage process did not start (exit {self.proc.poll()}): "
-                               f"{line.strip()}")
+            said = f": {line.strip()}" if line.strip() else " (its error is above)"
+            raise Unavailable(f"stage process {os.path.normpath(cmd[0])} did not start "
+                              f"(exit {self.proc.poll()}){said}")
         self.endpoint = f"{host}:{m.group(1)}"
 
     def stop(self, timeout_s: float = 15.0) -> None:
@@ -54,6 +61,16 @@ class StageProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def _not_runnable(command: str, exc: OSError) -> str:
+    path = os.path.normpath(command)
+    fix = "build or install it, or fix `launch.command` in the topology"
+    if os.path.basename(path) == "talker_stage":  # the C++ reference talker (clients/cpp)
+        fix = ("build it first: cmake -S clients/cpp -B clients/cpp/build && "
+               "cmake --build clients/cpp/build -j2 (see clients/cpp/README.md)")
+    why = "does not exist" if isinstance(exc, FileNotFoundError) else f"cannot run ({exc})"
+    return f"stage command {path} {why}; {fix}"
 
 
 def launch_stages(topology: Topology, host: str) -> tuple[Topology, list[StageProcess]]:

@@ -38,7 +38,7 @@ def test_up_then_generate_streams_the_runners_output(stories: Model) -> None:
         assert report["finish_reason"] == reason and report["completion_tokens"] == len(tokens)
         diag = report["diagnostics"]["backbone"]
         assert diag["tokens_out"] == len(tokens) and diag["finish_reason"] == reason
-        assert diag["sampling"]["seed"] == "5" and "timings" in diag
+        assert diag["sampling"]["seed"] == 5 and "timings" in diag
         bad = subprocess.run([*LLM_STAGE, "generate", "--target", orch.group(1),
                               "--top-p", "nan", "Hi"], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr

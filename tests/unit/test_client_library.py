@@ -223,7 +223,7 @@ def test_cli_generate(orch: tuple[FakeOrchestrator, str], capsys: pytest.Capture
     assert out == "Once upon\n"  # the first sink only: the tokens port's text is not doubled
     report = json.loads(err.strip().splitlines()[-1])
     assert report["finish_reason"] == "max_length" and report["request_id"] == "cli-1"
-    assert report["diagnostics"] == {"backbone": {"seed": 7.0, "engine": "numpy"}}
+    assert report["diagnostics"] == {"backbone": {"seed": 7, "engine": "numpy"}}
     req = fake.requests[-1].request
     assert req.text == "Hi" and list(req.stop) == ["x", "y"]
     assert req.sampling.temperature == 0.0 and req.sampling.max_tokens == 4

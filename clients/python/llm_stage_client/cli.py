@@ -5,16 +5,17 @@ install that has it. Nothing here imports the servers."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import importlib.metadata
 import importlib.util
-import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
+from llm_stage_client._contract.llmstage.v1 import orchestrator_pb2
+from llm_stage_client.cli_show import Display, report_json, stream
 from llm_stage_client.client import DEFAULT_TARGET, Client
-from llm_stage_client.types import Delta, FinalReport, StageClientError
+from llm_stage_client.types import StageClientError
 
 # A subcommand is a pair: a function adding its parser to the subparsers, and the function
 # running it (returning the exit code). Subcommands from other modules join `_COMMANDS`.
@@ -24,6 +25,8 @@ RunFn = Callable[[argparse.Namespace], int]
 TARGET_ENV = "LLM_STAGE_TARGET"
 # Finish reasons that mean the request did not complete; the command exits 1 for them.
 _FAILED = ("error", "cancelled")
+EXIT_FAILED = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
 
 
 def default_target() -> str:
@@ -32,61 +35,74 @@ def default_target() -> str:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="stream one generation to stdout (report on stderr)")
+    p = sub.add_parser("generate", help="stream one generation to stdout (report on stderr)",
+                       description="Streams the text to stdout; other sinks' deltas and the "
+                                   "final report (JSON) go to stderr. Sampling values left out "
+                                   "take the deployment's defaults.")
+    # Every option's help states its default: this parser takes no default-adding formatter.
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--target", default=None,
                    help=f"orchestrator host:port (default: ${TARGET_ENV} or {DEFAULT_TARGET})")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--sinks", default="",
+                   help="stage:port names to stream, comma separated, e.g. "
+                        "thinker:text,talker:audio (default: the topology's default sinks)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature, 0 = greedy (default: the deployment's)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the K likeliest tokens, 0 = all (default: the "
+                        "deployment's)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass in (0, 1] (default: the deployment's)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed: the same seed, prompt and options give the same text "
+                        "(default: a fresh random seed per request, in the report's "
+                        "diagnostics as sampling.seed)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="most new tokens (default: the deployment's)")
+    p.add_argument("--stop", action="append", default=[],
+                   help="stop when this text appears (repeatable)")
     p.add_argument("--timeout", type=float, default=None,
                    help="deadline of the whole request, seconds (default: none)")
     p.add_argument("--request-id", default="", help="request id (default: the orchestrator's)")
 
 
 def _generate(args: argparse.Namespace) -> int:
-    with Client(args.target or default_target(), timeout=args.timeout) as client:
+    target = args.target or default_target()
+    sinks = [s.strip() for s in args.sinks.split(",") if s.strip()]
+    display = Display()
+    with Client(target, timeout=args.timeout) as client:
         try:
             items = client.generate(args.prompt, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                     max_tokens=args.max_tokens, stop=args.stop,
-                                    request_id=args.request_id)
+                                    request_id=args.request_id, sinks=sinks)
         except ValueError as exc:
             # Values argparse lets through but a field cannot hold (a negative seed).
             raise StageClientError("INVALID_ARGUMENT", str(exc)) from exc
-        report = _stream_text(items)
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+        try:
+            report = stream(items, display)
+        except StageClientError as exc:
+            raise with_hint(exc, target) from exc
+    display.end_line()
     if report is None:
         raise StageClientError("UNKNOWN", "the Generate stream ended without a final report")
-    print(json.dumps(dataclasses.asdict(report)), file=sys.stderr)
+    print(report_json(report), file=sys.stderr)
     return 1 if report.finish_reason in _FAILED else 0
 
 
-def _stream_text(items: Iterator[Delta | FinalReport]) -> FinalReport | None:
-    """Writes the text of the deltas to stdout as they come; returns the final report."""
-    shown: tuple[str, str] | None = None
-    report = None
-    try:
-        for item in items:
-            if isinstance(item, FinalReport):
-                report = item
-                continue
-            # Text and token ports of a stage both carry the text, and the default sinks may
-            # name several; the first sink that speaks is the one shown, so no text is doubled.
-            shown = shown or (item.stage_id, item.port)
-            if (item.stage_id, item.port) == shown:
-                sys.stdout.write(item.text)
-                sys.stdout.flush()
-    except StageClientError:
-        if shown is not None:
-            sys.stdout.write("\n")  # end the partial text before the error line on stderr
-            sys.stdout.flush()
-        raise
-    return report
+def with_hint(exc: StageClientError, target: str) -> StageClientError:
+    """The error with what to do about it, for the failures a first run meets."""
+    if exc.code == "UNAVAILABLE" and ("connect" in exc.message.lower()
+                                      or "refused" in exc.message.lower()):
+        return StageClientError(exc.code, f"nothing answers at {target}: start a deployment "
+                                f"with `llm-stage up` (or `llm-runner up`), or point --target "
+                                f"(or ${TARGET_ENV}) at a running orchestrator")
+    if exc.code == "UNIMPLEMENTED":
+        return StageClientError(exc.code, f"{target} is not an orchestrator (no "
+                                f"llmstage.v1.Orchestrator there; a stage from `llm-runner "
+                                f"serve`?): point --target at the address `llm-runner up` "
+                                f"prints as 'orchestrator listening on'")
+    return exc
 
 
 # The server side: its import name, and the distribution that brings it.
@@ -120,9 +136,24 @@ def _up(args: argparse.Namespace) -> int:
 _COMMANDS: list[tuple[AddFn, RunFn]] = [(_add_generate, _generate), (_add_up, _up)]
 
 
+def version_text() -> str:
+    """The client's version and the contract it speaks."""
+    version = "unknown"
+    for dist in ("llm-stage-client", SERVER_DISTRIBUTION):  # alone, or inside the servers'
+        try:
+            version = importlib.metadata.version(dist)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return (f"llm-stage {version} (contract {orchestrator_pb2.DESCRIPTOR.package}; a client: "
+            f"the engines are the deployment's, `llm-runner --version` lists them)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand in `_COMMANDS`; each one's `run` is in `args.run`."""
     parser = argparse.ArgumentParser(prog="llm-stage", description=__doc__)
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="print the client and contract versions")
     sub = parser.add_subparsers(dest="command", required=True)
     for add, run in _COMMANDS:
         known = set(sub.choices)
@@ -136,14 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs `llm-stage`; the exit code: 0 done, 1 the request ended in error or was cancelled,
-    2 the call failed."""
+    2 the call failed (one line on stderr says why and what to do), 130 Ctrl-C."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         code: int = args.run(args)
     except StageClientError as exc:
         print(f"llm-stage: {exc.code}: {exc.message}", file=sys.stderr)
-        return 2
+        return EXIT_FAILED
+    except KeyboardInterrupt:  # closing the client has cancelled the request on every stage
+        print("llm-stage: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return code
 
 

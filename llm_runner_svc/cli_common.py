@@ -1,0 +1,134 @@
+"""What every `llm-runner` subcommand shares: help with defaults, `--version`, the exit codes
+and one-line messages of expected failures, gRPC's own log kept quiet, and the model-load
+progress bar.
+
+Exit codes: 0 done, 1 the generation ended in error, 2 an expected failure (a message naming
+the problem and the fix), 130 interrupted by Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import llm_runner_svc
+from llm_runner_svc.errors import RunnerError, Unavailable
+from llm_runner_svc.models.progress import watching
+
+EXIT_FAILED = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
+
+# The modules each engine needs beyond this package (`--version` lists the importable ones).
+_ENGINE_NEEDS: dict[str, tuple[str, ...]] = {
+    "numpy": ("numpy",), "onnx": ("onnxruntime",), "onnx-fp16": ("onnxruntime",),
+    "tensorrt": ("tensorrt_rtx|tensorrt",), "torch": ("torch",),
+}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to an option's help, except where the default means "not given"
+    (None, False, an empty list) or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        is_unset = action.default is None or action.default is False or action.default in ([], "")
+        if is_unset or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def quiet_grpc() -> None:
+    """gRPC core logs nothing unless GRPC_VERBOSITY asks for it; must run before grpc is
+    imported (core reads the variable once). Children started later inherit it."""
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
+
+def _has_module(names: str) -> bool:
+    return any(importlib.util.find_spec(n) is not None for n in names.split("|"))
+
+
+def version_text(prog: str) -> str:
+    """The package version, the contract version and the engines this install can run."""
+    from llm_runner_svc.stage.describe import CONTRACT_VERSION
+
+    usable = [e for e, needs in _ENGINE_NEEDS.items() if all(map(_has_module, needs))]
+    return (f"{prog} {llm_runner_svc.__version__} (contract {CONTRACT_VERSION}; "
+            f"engines: {', '.join(usable)})")
+
+
+def add_version(parser: argparse.ArgumentParser, prog: str) -> None:
+    """`--version`; the text is built only when asked for (it looks for engine libraries)."""
+
+    class _Version(argparse.Action):
+        def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+            print(version_text(prog))
+            parser.exit()
+
+    parser.add_argument("--version", action=_Version, nargs=0, default=argparse.SUPPRESS,
+                        help="print the package and contract versions and the usable engines")
+
+
+def bind_failure(host: str, port: int, flag: str = "--port") -> RunnerError:
+    """The one-line error for a server that could not bind (gRPC raises RuntimeError)."""
+    return Unavailable(f"cannot listen on {host}:{port} (in use, or not an address of this "
+                       f"machine): stop what listens there, or pick another port with "
+                       f"{flag} (0 = any free port)")
+
+
+def is_bind_failure(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError | OSError) and "bind" in str(exc).lower()
+
+
+def run_command(prog: str, command: Callable[[], int]) -> int:
+    """Runs one subcommand; expected failures and Ctrl-C become one line on stderr."""
+    try:
+        return command()
+    except RunnerError as exc:
+        print(f"{prog}: {exc.code}: {exc.message}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+class _TqdmWatcher:
+    """Shows a load as a bytes bar on stderr (tqdm); one bar per loader."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+
+    def start(self, total_bytes: int, what: str) -> None:
+        from tqdm import tqdm
+
+        self.close()
+        self._bar = tqdm(total=total_bytes, desc=f"loading {what}", unit="B", unit_scale=True,
+                         unit_divisor=1024, leave=False, file=sys.stderr)
+
+    def advance(self, num_bytes: int) -> None:
+        if self._bar is not None:
+            self._bar.update(num_bytes)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+@contextmanager
+def load_progress(is_quiet: bool) -> Iterator[None]:
+    """A progress bar for the model loads inside the block: only when stderr is a terminal,
+    not `is_quiet`, and tqdm is installed (it is optional)."""
+    if is_quiet or not sys.stderr.isatty() or importlib.util.find_spec("tqdm") is None:
+        yield
+        return
+    watcher = _TqdmWatcher()
+    try:
+        with watching(watcher):
+            yield
+    finally:
+        watcher.close()
