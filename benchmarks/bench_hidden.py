@@ -36,6 +36,7 @@ import numpy as np
 from llm_runner_svc import codec
 from llm_runner_svc.stage.hidden_messages import WireArray
 from llm_runner_svc.stage.publish import HiddenPublisher
+from llm_runner_svc.stage.shm_budget import ShmBudget
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.contract.llmstage.v1 import stage_pb2_grpc
 from services.server import ServerOptions, create_server
@@ -82,7 +83,7 @@ class _Servicer(stage_pb2_grpc.StageServicer):
 
 async def transport(hidden: int, dtype: str, batch: int, steps: int, shm: bool,
                     warm_steps: int = 50) -> dict:
-    publisher = HiddenPublisher("block", 64, 64 << 20, 64 << 20)  # the stage's defaults
+    publisher = HiddenPublisher("block", 64, 64 << 20, ShmBudget(64 << 20, 8, 1 << 30))
     subscribed = asyncio.Event()
     handle = await create_server(ServerOptions(port=0, max_message_bytes=64 << 20), [
         (stage_pb2_grpc.add_StageServicer_to_server, _Servicer(publisher, subscribed),

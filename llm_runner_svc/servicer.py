@@ -46,7 +46,7 @@ class StageServicer(StageServicerBase):
         if not request.HasField("request"):
             raise InvalidArgument("AdmitRequest.request is required")
         req = codec.request_from_pb(request.slot_id, request.request)
-        return codec.admission_to_pb(self.stage.admit(
+        return codec.admission_to_pb(await self.stage.admit(
             request.slot_id, req, call_ctx(context), context_from(request.traceparent)))
 
     async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext

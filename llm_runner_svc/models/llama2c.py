@@ -7,6 +7,7 @@ across layers. RoPE rotates adjacent pairs.
 
 from __future__ import annotations
 
+import heapq
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -77,7 +78,8 @@ def load_checkpoint(path: Path) -> tuple[ModelConfig, ModelWeights]:
 
 class Llama2cTokenizer(Tokenizer):
     """llama2.c's BPE: a dummy-prefix space, code points looked up (bytes as `<0xXX>` + 3
-    fallback), then repeated merges of the adjacent pair with the best score."""
+    fallback), then repeated merges of the adjacent pair with the best score. Encoding is
+    O(n log n) in the text's length and gives the ids of llama2.c's rescanning loop."""
 
     def __init__(self, path: Path, vocab_size: int) -> None:
         data = path.read_bytes()
@@ -122,16 +124,52 @@ class Llama2cTokenizer(Tokenizer):
                 toks.append(tid)
             else:
                 toks.extend(byte + 3 for byte in b)
-        while True:
-            best, best_i, best_id = -1e10, -1, -1
-            for i in range(len(toks) - 1):
-                tid = self.lookup.get(self.pieces[toks[i]] + self.pieces[toks[i + 1]])
-                if tid is not None and self.scores[tid] > best:
-                    best, best_i, best_id = self.scores[tid], i, tid
-            if best_i < 0:
-                break
-            toks[best_i:best_i + 2] = [best_id]
-        return ids + toks
+        return ids + self._merge(toks)
+
+    def _merge(self, toks: list[int]) -> list[int]:
+        """llama2.c's merge order in O(n log n): repeatedly merge the adjacent pair whose
+        merged piece has the highest score, the leftmost on a tie; pairs scoring -1e10 or
+        less (or NaN) never merge. The tokens form a linked list over their first positions
+        (which keeps their order); a heap holds every candidate pair keyed by (-score,
+        position), and an entry whose nodes changed since it was pushed is skipped."""
+        n = len(toks)
+        if n < 2:
+            return list(toks)
+        tok = list(toks)  # [n] the token that starts at each position while it is alive
+        nxt = list(range(1, n + 1))
+        nxt[-1] = -1
+        prv = list(range(-1, n - 1))
+        ver = [0] * n  # bumped whenever a node's token changes or the node is merged away
+        heap: list[tuple[float, int, int, int, int, int]] = []
+        pieces, lookup, scores = self.pieces, self.lookup, self.scores
+
+        def push(i: int, j: int) -> None:
+            tid = lookup.get(pieces[tok[i]] + pieces[tok[j]])
+            if tid is not None and scores[tid] > -1e10:
+                heapq.heappush(heap, (-scores[tid], i, j, ver[i], ver[j], tid))
+
+        for i in range(n - 1):
+            push(i, i + 1)
+        while heap:
+            _, i, j, ver_i, ver_j, tid = heapq.heappop(heap)
+            if ver[i] != ver_i or ver[j] != ver_j or nxt[i] != j:
+                continue  # stale: a node of this pair changed since it was pushed
+            tok[i] = tid
+            ver[i] += 1
+            ver[j] += 1
+            k = nxt[j]
+            nxt[i] = k
+            if k >= 0:
+                prv[k] = i
+                push(i, k)
+            if prv[i] >= 0:
+                push(prv[i], i)
+        out: list[int] = []
+        i = 0  # the first node is never merged away
+        while i >= 0:
+            out.append(tok[i])
+            i = nxt[i]
+        return out
 
     @staticmethod
     def _piece_bytes(piece: bytes) -> bytes:

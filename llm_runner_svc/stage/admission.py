@@ -12,6 +12,7 @@ from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.models import Model
 from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, resolve
 from llm_runner_svc.stage.config import StageConfig
+from llm_runner_svc.stage.limits import RequestLimits, check_malformed
 from llm_runner_svc.stage.request import StageRequest
 from services.stage.slot import Slot, SlotState
 
@@ -44,16 +45,16 @@ class Admission:
     prompt_tokens: int = 0
 
 
-def check_request(config: StageConfig, model: Model, req: StageRequest, num_live: int) -> None:
+def check_request(config: StageConfig, model: Model, max_seq: int, req: StageRequest,
+                  num_live: int) -> None:
     """Refusals that need no tokenization, cheapest first. A prompt too large to tokenize
-    cheaply is malformed (INVALID_ARGUMENT), not refused."""
-    if req.text is not None and len(req.text.encode()) > config.max_prompt_bytes:
-        raise InvalidArgument(f"prompt text has {len(req.text.encode())} bytes; the limit is "
-                              f"{config.max_prompt_bytes}")
+    cheaply, or an over-long request id, is malformed (INVALID_ARGUMENT), not refused."""
+    check_malformed(config.limits, max_seq, req)
     capacity = config.max_batch + config.max_waiting
     if num_live >= capacity:
         raise Refused(Refusal.NO_CAPACITY, f"the stage holds {num_live} requests, its limit "
                       f"(maxBatch {config.max_batch} + {config.max_waiting} waiting)")
+    check_limits(config.limits, req)
     if req.lora:
         raise Refused(Refusal.UNKNOWN_ADAPTER,
                       f"LoRA adapter {req.lora!r} is unknown; this stage loads no adapters")
@@ -79,7 +80,31 @@ def check_request(config: StageConfig, model: Model, req: StageRequest, num_live
                       f"model {model.name} has no chat template; send text or token_ids")
 
 
+def check_limits(limits: RequestLimits, req: StageRequest) -> None:
+    """The stage's per-request limits (limits.py): stop strings and logit bias are
+    generation controls (SAMPLING_OUT_OF_RANGE), chat turns are prompt (PROMPT_TOO_LONG),
+    media parts MEDIA_UNSUPPORTED."""
+    if len(req.stop) > limits.max_stop_strings:
+        raise Refused(Refusal.SAMPLING_OUT_OF_RANGE, f"the request has {len(req.stop)} stop "
+                      f"strings; the limit is {limits.max_stop_strings} (maxStopStrings)")
+    stop_bytes = sum(len(s.encode()) for s in req.stop)
+    if stop_bytes > limits.max_stop_bytes:
+        raise Refused(Refusal.SAMPLING_OUT_OF_RANGE, f"the stop strings hold {stop_bytes} "
+                      f"bytes; the limit is {limits.max_stop_bytes} (maxStopBytes)")
+    if len(req.logit_bias) > limits.max_logit_bias:
+        raise Refused(Refusal.SAMPLING_OUT_OF_RANGE, f"logit_bias has {len(req.logit_bias)} "
+                      f"entries; the limit is {limits.max_logit_bias} (maxLogitBias)")
+    if req.messages is not None and len(req.messages) > limits.max_messages:
+        raise Refused(Refusal.PROMPT_TOO_LONG, f"the request has {len(req.messages)} chat "
+                      f"messages; the limit is {limits.max_messages} (maxMessages)")
+    if req.num_media > limits.max_media_parts:
+        raise Refused(Refusal.MEDIA_UNSUPPORTED, f"the request has {req.num_media} media "
+                      f"parts; the limit is {limits.max_media_parts} (maxMediaParts)")
+
+
 def tokenize(model: Model, req: StageRequest) -> tuple[int, ...]:
+    """The prompt's token ids (chat template rendered first). Linear-ish in the prompt's
+    size, but still milliseconds for kilobytes: the stage runs it on a worker thread."""
     tok = model.tokenizer
     if req.token_ids is not None:
         return req.token_ids

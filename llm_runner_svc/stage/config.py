@@ -24,6 +24,8 @@ from llm_runner_svc.engines import engine_names
 from llm_runner_svc.errors import NotFound, RunnerError, Unimplemented
 from llm_runner_svc.export.sidecar import is_build_dir, load_sidecar
 from llm_runner_svc.runtime.sampling import SamplingDefaults
+from llm_runner_svc.stage.limits import KEYS as LIMIT_KEYS
+from llm_runner_svc.stage.limits import RequestLimits, parse_limits
 from llm_runner_svc.stage.runner_keys import ConfigError, check_runner_keys
 
 RUNNER = "llm.backbone"
@@ -31,8 +33,8 @@ _BUILTIN = ("stories260K", "smollm2")
 _STAGE_KEYS = {"id", "runner", "artifact", "engine", "emits", "inputs", "maxBatch", "maxSeq",
                "config", "ports", "maxQueued", "maxTokensInFlight", "device",
                "creditIdleTimeoutS", "maxTokensPerStep", "kvMemoryBytes",
-               "kvMemoryFraction"}
-_PORT_KEYS = {"policy", "buffer", "shmRingBytes"}
+               "kvMemoryFraction", *LIMIT_KEYS}
+_PORT_KEYS = {"policy", "buffer", "shmRingBytes", "maxShmSubscriptions", "maxShmBytes"}
 _INPUTS = ("request:text", "request:messages", "request:token_ids")
 _EMITS = ("text", "tokens", "hidden")
 _GRAPH_PLAN_ENGINE = "tensorrt"  # the engine that serves build-engine directories and caches
@@ -52,10 +54,12 @@ class StageConfig:
     accept_hidden_layer: int = -1
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     max_waiting: int = 256
-    max_prompt_bytes: int = 1 << 20  # text prompts above this are malformed, not refused
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may carry
     hidden_policy: str = "block"  # a full subscriber buffer: "block" the producer or "disconnect"
     hidden_buffer: int = 64  # messages per subscriber
-    shm_ring_bytes: int = 64 << 20  # shared-memory ring per subscriber using that transport
+    shm_ring_bytes: int = 0  # shared-memory ring per subscriber; 0 = sized from the width
+    max_shm_subscriptions: int = 8  # shared-memory subscriptions open at once on the stage
+    max_shm_bytes: int = 256 << 20  # their rings' bytes in total
     max_queued: int = 0  # admitted requests not yet decoding, beyond which Admit refuses (0 = off)
     max_tokens_in_flight: int = 0  # sum of prompt + max new tokens of unended runs (0 = off)
     credit_idle_timeout_s: float = 60.0  # a Step stream out of credit this long is ended
@@ -81,8 +85,13 @@ class StageConfig:
         if self.hidden_policy not in ("block", "disconnect"):
             raise ConfigError(f"ports.hidden.policy: 'block' or 'disconnect', got "
                               f"{self.hidden_policy!r}")
-        if self.hidden_buffer <= 0 or self.shm_ring_bytes < 4096:
-            raise ConfigError("ports.hidden: buffer must be positive and shmRingBytes >= 4096")
+        if self.hidden_buffer <= 0 or 0 < self.shm_ring_bytes < 4096:
+            raise ConfigError("ports.hidden: buffer must be positive and shmRingBytes 0 (sized "
+                              "from the port's width) or >= 4096")
+        if self.max_shm_subscriptions < 0 or self.max_shm_bytes < 0:
+            raise ConfigError(f"ports.hidden: maxShmSubscriptions and maxShmBytes must be >= 0 "
+                              f"(0 = no shared memory), got {self.max_shm_subscriptions} and "
+                              f"{self.max_shm_bytes}")
         if self.max_queued < 0 or self.max_tokens_in_flight < 0:
             raise ConfigError(f"maxQueued and maxTokensInFlight must be >= 0 (0 = no limit), "
                               f"got {self.max_queued} and {self.max_tokens_in_flight}")
@@ -170,7 +179,10 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
         max_seq=_typed(raw, "maxSeq", int, 0), accept_hidden_layer=hidden_layer,
         sampling=sampling, hidden_policy=_typed(hidden, "policy", str, "block", "ports.hidden."),
         hidden_buffer=_typed(hidden, "buffer", int, 64, "ports.hidden."),
-        shm_ring_bytes=_typed(hidden, "shmRingBytes", int, 64 << 20, "ports.hidden."),
+        shm_ring_bytes=_typed(hidden, "shmRingBytes", int, 0, "ports.hidden."),
+        max_shm_subscriptions=_typed(hidden, "maxShmSubscriptions", int, 8, "ports.hidden."),
+        max_shm_bytes=_typed(hidden, "maxShmBytes", int, 256 << 20, "ports.hidden."),
+        limits=parse_limits(raw),
         max_queued=_typed(raw, "maxQueued", int, 0),
         max_tokens_in_flight=_typed(raw, "maxTokensInFlight", int, 0),
         credit_idle_timeout_s=float(_typed(raw, "creditIdleTimeoutS", float, 60.0)),

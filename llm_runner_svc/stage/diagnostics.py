@@ -63,6 +63,9 @@ class StageSnapshot:
     hidden_messages_published: int
     hidden_bytes_published: int
     hidden_max_lag: int
+    hidden_shm_rings: int  # shared-memory rings the port holds
+    hidden_shm_bytes: int  # and their bytes (of /dev/shm)
+    admitting: int  # Admits still tokenizing
 
     @classmethod
     def build(cls, core: CoreSnapshot, config: StageConfig, slots: Sequence[Slot], *,
@@ -84,6 +87,8 @@ def stage_diagnostics(snap: StageSnapshot) -> dict[str, Any]:
         "hidden_messages_published": snap.hidden_messages_published,
         "hidden_bytes_published": snap.hidden_bytes_published,
         "hidden_max_lag": snap.hidden_max_lag,
+        "hidden_shm_rings": snap.hidden_shm_rings, "hidden_shm_bytes": snap.hidden_shm_bytes,
+        "admitting": snap.admitting,
         "queued": snap.num_queued, "tokens_in_flight": snap.tokens_in_flight,
         "max_queued": snap.max_queued, "max_tokens_in_flight": snap.max_tokens_in_flight,
     }

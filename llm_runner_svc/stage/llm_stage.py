@@ -1,7 +1,8 @@
 """LlmStage: the LlmRunner adapter over the stage kit. The kit (`services/stage/core.py`) owns
 the slot lifecycle, the cohorts and the decode loop; this class adds what is the LLM's own:
 admission and tokenization, the runtime request Prepare builds, the hidden port, and what
-Diagnostics and metrics report. Every method runs on the server's event loop thread."""
+Diagnostics and metrics report. Every method runs on the server's event loop thread; only
+tokenization runs on a worker thread (tokenize_worker.py)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ from llm_runner_svc.stage.metrics import StageMetrics
 from llm_runner_svc.stage.publish import HiddenPublisher, Subscriber
 from llm_runner_svc.stage.publish_step import publish_step
 from llm_runner_svc.stage.request import StageRequest
+from llm_runner_svc.stage.shm_budget import ShmBudget, ring_bytes_for
+from llm_runner_svc.stage.tokenize_worker import TokenizeWorker
 from llm_runner_svc.stage.tracing import call_span, run_spans
 from services.stage.core import MAX_WINDOW, StageCore
 from services.stage.slot import Slot
@@ -53,8 +56,12 @@ class LlmStage(StageCore):
         self.config = config
         self.model = model
         self.runtime = runtime
-        self.hidden = HiddenPublisher(config.hidden_policy, config.hidden_buffer,
-                                      max_message_bytes, config.shm_ring_bytes)
+        self.hidden = HiddenPublisher(
+            config.hidden_policy, config.hidden_buffer, max_message_bytes,
+            ShmBudget(config.shm_ring_bytes or ring_bytes_for(
+                model.config.hidden_size, runtime.max_seq, max_message_bytes),
+                config.max_shm_subscriptions, config.max_shm_bytes))
+        self.tokenizer = TokenizeWorker()
         self.metrics = StageMetrics(self.snapshot)
         self._tasks: set[asyncio.Task[None]] = set()  # port ends and closes sent on the side
 
@@ -85,6 +92,7 @@ class LlmStage(StageCore):
     async def close(self) -> None:
         """Stop the loop and release the runtime. Idempotent."""
         await super().close()
+        self.tokenizer.close()
         await self.hidden.close()
         self.runtime.close()
 
@@ -92,14 +100,15 @@ class LlmStage(StageCore):
     def describe(self) -> StageDescription:
         return describe(self.config, self.model, self.runtime, MAX_WINDOW)
 
-    def admit(self, slot_id: int, request: StageRequest, call_ctx: Any = None,
-              request_ctx: Any = None) -> Admission:
+    async def admit(self, slot_id: int, request: StageRequest, call_ctx: Any = None,
+                    request_ctx: Any = None) -> Admission:
         """Admit `request` into a new slot, or refuse it; a refusal allocates nothing.
+        The prompt is tokenized on a worker thread; the slot exists only once it is admitted.
         `call_ctx` / `request_ctx`: trace contexts of the call and of the request."""
         span = call_span("admit", call_ctx or request_ctx, self.config.stage_id, slot_id,
                          request.request_id)
         try:
-            adm = self._admit(slot_id, request, request_ctx or call_ctx)
+            adm = await self._admit(slot_id, request, request_ctx or call_ctx)
             span.set_attributes({"llmstage.admitted": adm.is_admitted,
                                  "gen_ai.usage.input_tokens": adm.prompt_tokens})
             if adm.refusal is not None:
@@ -113,22 +122,28 @@ class LlmStage(StageCore):
         finally:
             span.end()
 
-    def _admit(self, slot_id: int, request: StageRequest, request_ctx: Any) -> Admission:
+    async def _admit(self, slot_id: int, request: StageRequest, request_ctx: Any) -> Admission:
         t0 = time.perf_counter()
         self.check_admit(slot_id)
-        num_live = sum(1 for s in self.slots if s.state.wire != "FINISHED")
+        # Admits still tokenizing count against the capacity, which bounds the worker's queue.
+        num_live = (sum(1 for s in self.slots if s.state.wire != "FINISHED")
+                    + self.tokenizer.num_pending)
+        self.tokenizer.claim(slot_id)
         try:
-            check_request(self.config, self.model, request, num_live)
-            prompt_ids = tokenize(self.model, request)
+            check_request(self.config, self.model, self.runtime.max_seq, request, num_live)
+            prompt_ids = await self.tokenizer.run(lambda: tokenize(self.model, request))
+            self.check_admit(slot_id)  # the stage may have begun to drain meanwhile
             check_prompt(self.model, self.runtime, prompt_ids)
             check_load(self.config, self.runtime.max_seq, self.slots, self.runtime.num_waiting,
                        request, len(prompt_ids))
+            slot = Slot(slot_id, request, admitted=prompt_ids)
+            slot.telemetry.request_ctx = request_ctx
+            slot.telemetry.admit_ms = (time.perf_counter() - t0) * 1000.0
+            self.slots.admit(slot)
         except Refused as refused:
             return Admission(False, refused.refusal, refused.reason)
-        slot = Slot(slot_id, request, admitted=prompt_ids)
-        slot.telemetry.request_ctx = request_ctx
-        slot.telemetry.admit_ms = (time.perf_counter() - t0) * 1000.0
-        self.slots.admit(slot)
+        finally:
+            self.tokenizer.release(slot_id)
         return Admission(True, prompt_tokens=len(prompt_ids))
 
     def prepare(self, slot_id: int, call_ctx: Any = None) -> Slot:
@@ -160,7 +175,8 @@ class LlmStage(StageCore):
             self.core_snapshot(), self.config, list(self.slots), max_seq=rt.max_seq,
             kv_pages_total=rt.pages.num_pages, kv_pages_free=rt.pages.num_free,
             num_running=rt.num_running, num_waiting=rt.num_waiting,
-            hidden_subscriptions=pub.num_subscriptions,
+            hidden_subscriptions=pub.num_subscriptions, hidden_shm_rings=pub.shm.num_rings,
+            hidden_shm_bytes=pub.shm.num_bytes, admitting=self.tokenizer.num_pending,
             hidden_messages_published=pub.num_messages_published,
             hidden_bytes_published=pub.num_bytes_published, hidden_max_lag=pub.max_lag)
 

@@ -34,6 +34,7 @@ from llm_runner_svc.stage.hidden_messages import (
     inline_bytes,
     raw,
 )
+from llm_runner_svc.stage.shm_budget import ShmBudget, max_payload_bytes
 from llm_runner_svc.stage.shm_ring import ShmRing
 
 log = logging.getLogger(__name__)
@@ -160,11 +161,11 @@ class HiddenPublisher:
     """Fans the hidden port out to subscribers. Runs on the event loop thread."""
 
     def __init__(self, policy: str, buffer: int, max_message_bytes: int,
-                 shm_ring_bytes: int) -> None:
+                 shm: ShmBudget) -> None:
         self.policy = policy
         self.buffer = buffer
-        self.max_payload_bytes = max(4096, int(max_message_bytes * 0.9) - 4096)
-        self.shm_ring_bytes = shm_ring_bytes
+        self.max_payload_bytes = max_payload_bytes(max_message_bytes)
+        self.shm = shm
         self._by_request: dict[str, list[Subscriber]] = {}
         self._all: list[Subscriber] = []
         self.num_bytes_published = 0
@@ -220,8 +221,16 @@ class HiddenPublisher:
 
     async def subscribe(self, request_id: str | None, use_shm: bool) -> Subscriber:
         """Register a subscriber; with shared memory its ring is made (and its pages faulted
-        in, tens of ms for a large ring) on a worker thread, off the event loop."""
-        ring = await _make_ring(self.shm_ring_bytes) if use_shm else None
+        in, tens of ms for a large ring) on a worker thread, off the event loop, within the
+        stage's shared-memory budget (ResourceExhausted beyond it)."""
+        ring = None
+        if use_shm:
+            self.shm.reserve()
+            try:
+                ring = await _make_ring(self.shm.ring_bytes)
+            except BaseException:
+                self.shm.release()
+                raise
         sub = Subscriber(request_id, self.policy, self.buffer, ring)
         if sub.ring is not None:
             sub._items.append(RegionMessage(sub.ring.name, sub.ring.size))
@@ -244,6 +253,7 @@ class HiddenPublisher:
         if sub.ring is not None:
             sub.ring.close()
             sub.ring = None
+            self.shm.release()
 
     def _subscribers(self, request_id: str) -> list[Subscriber]:
         return [*self._by_request.get(request_id, ()), *self._all]

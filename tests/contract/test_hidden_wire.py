@@ -25,6 +25,7 @@ from llm_runner_svc.stage.hidden_messages import (
     WireArray,
 )
 from llm_runner_svc.stage.publish import HiddenPublisher, Subscriber
+from llm_runner_svc.stage.shm_budget import ShmBudget
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.contract.llmstage.v1 import stage_pb2_grpc
 from services.server import ServerOptions, create_server
@@ -63,7 +64,7 @@ class PublisherServer:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.publisher = HiddenPublisher("block", 256, 4 << 20, 1 << 20)
+        self.publisher = HiddenPublisher("block", 256, 4 << 20, ShmBudget(1 << 20, 8, 64 << 20))
         self.subscribed = asyncio.Event()
         self.handle = self._run(create_server(ServerOptions(port=0), [
             (stage_pb2_grpc.add_StageServicer_to_server,
