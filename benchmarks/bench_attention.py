@@ -6,7 +6,7 @@ n(n+1)/2 pairs) and each result's distance from SDPA's; then the Triton kernel's
 choices (queries per block, keys per tile, warps, stages), fastest first.
 
 Usage: python benchmarks/bench_attention.py [--shapes qwen2.5-1.5b,qwen2.5-7b]
-       [--prompts 512,2048,8192] [--page-size 16]
+       [--prompts 512,2048,8192] [--page-size 16] [--no-sweep]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ TILES = [(bm, (bn, w, st)) for bm in (64, 128) for bn in (64, 128) for w in (4, 
          for st in (2, 3) if bm * bn <= 128 * 64 or w == 8]
 
 
-def bench(shape: str, n: int, page: int) -> dict:
+def bench(shape: str, n: int, page: int, has_sweep: bool) -> dict:
     c = named_shape(shape)
     dev = torch.device("cuda")
     pages = -(-n // page)
@@ -78,7 +78,7 @@ def bench(shape: str, n: int, page: int) -> dict:
     ref = sdpa().float()
     sweep = []
     own = PrefillStager(n, 1, pages, page, pages, dev)  # `layout` keeps its buffer
-    for block_m, tiles in TILES:
+    for block_m, tiles in TILES if has_sweep else []:
         lay = own.stage([PrefillChunk([0] * n, 0, order)], block_m)
 
         def run(lay: PrefillLayout = lay, block_m: int = block_m, tiles: Tiles = tiles) -> None:
@@ -91,8 +91,9 @@ def bench(shape: str, n: int, page: int) -> dict:
         except Exception as exc:  # a tile choice past the shared memory or registers
             print(f"# {block_m}/{tiles}: {exc}"[:200], flush=True)
     sweep.sort()
-    print(f"# {shape} {n}: " + ", ".join(f"{b}/{t} {ms:.3f}" for ms, b, t in sweep[:6]),
-          flush=True)
+    if sweep:
+        print(f"# {shape} {n}: " + ", ".join(f"{b}/{t} {ms:.3f}" for ms, b, t in sweep[:6]),
+              flush=True)
     flops = 4 * c.head_dim * c.num_heads * n * (n + 1) / 2
     row: dict = {"shape": shape, "prompt": n, "layers": c.num_layers}
     for name, fn in (("triton_paged", triton_paged), ("flash_gathered", flash_gathered),
@@ -113,8 +114,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="qwen2.5-1.5b,qwen2.5-7b")
     ap.add_argument("--prompts", default="512,2048,8192")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--no-sweep", action="store_true", help="leave out the tile sweep")
     args = ap.parse_args()
-    rows = [bench(s, int(n), args.page_size) for s in args.shapes.split(",")
+    rows = [bench(s, int(n), args.page_size, not args.no_sweep) for s in args.shapes.split(",")
             for n in args.prompts.split(",")]
     names = ("triton_paged", "flash_gathered", "sdpa")
     print("| shape | prompt | " + " | ".join(f"{k} ms/layer (TFLOP/s, rel)" for k in names)

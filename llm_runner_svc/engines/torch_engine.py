@@ -285,7 +285,11 @@ class TorchEngine(Engine):
 
 
 def _host_copy(t: torch.Tensor) -> np.ndarray:
-    """A host array that owns its data (a CPU tensor's numpy view would alias a buffer)."""
+    """A host array that owns its data (a CPU tensor's numpy view would alias a buffer).
+    On the CPU numpy makes the copy, so captured states handed to the runtime (which may
+    hold a step's until it reads the next) never sit in torch's allocator."""
+    if t.device.type == "cpu":
+        return np.array(t.numpy(), copy=True)
     out: np.ndarray = t.to("cpu", copy=True).numpy()
     return out
 
