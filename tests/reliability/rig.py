@@ -46,7 +46,7 @@ class Orchestrator:
     stage id to its endpoints (a text stage), or give the topology's `stages` list whole."""
 
     def __init__(self, tmp: Path, stages: dict[str, list[str]] | list[dict[str, Any]],
-                 grace_s: float = 10.0, **topology: Any) -> None:
+                 grace_s: float = 10.0, stderr: Any = None, **topology: Any) -> None:
         if isinstance(stages, dict):
             topology.setdefault("sinks", [f"{sid}:text" for sid in stages])
             stages = [{"id": sid, "runner": "llm.backbone", "endpoints": eps,
@@ -56,7 +56,7 @@ class Orchestrator:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.orchestrator", "--topology",
              str(tmp / "topology.json"), "--port", "0", "--metrics-port", "0",
-             "--grace-s", str(grace_s)], stdout=subprocess.PIPE, text=True)
+             "--grace-s", str(grace_s)], stdout=subprocess.PIPE, stderr=stderr, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         m = re.search(r"listening on (127\.0\.0\.1:\d+).*metrics on ([\d.]+:\d+)", line)
@@ -76,12 +76,13 @@ class Orchestrator:
 class Runner(StageProc):
     """A runner process on a given port (0 = any), so a killed one can come back there."""
 
-    def __init__(self, config: Path, port: int = 0, env: dict[str, str] | None = None
-                 ) -> None:
+    def __init__(self, config: Path, port: int = 0, env: dict[str, str] | None = None,
+                 stderr: Any = None) -> None:
+        """`stderr`: where its log goes (a file to read it back); default this process's."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llm_runner_svc", "serve", "--port", str(port),
-             "--grace-s", "2", "--config", str(config)], stdout=subprocess.PIPE, text=True,
-            env=os.environ | (env or FAULT_ENV))
+             "--grace-s", "2", "--config", str(config)], stdout=subprocess.PIPE, stderr=stderr,
+            text=True, env=os.environ | (env or FAULT_ENV))
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         m = re.search(r"listening on (127\.0\.0\.1:\d+)", line)
