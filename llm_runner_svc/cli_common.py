@@ -92,7 +92,9 @@ def run_command(prog: str, command: Callable[[], int]) -> int:
         print(f"{prog}: {exc.code}: {exc.message}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
-        print(f"\n{prog}: interrupted", file=sys.stderr)
+        # On a terminal the line starts after the echoed ^C and any partial text or bar.
+        lead = "\n" if sys.stderr.isatty() else ""
+        print(f"{lead}{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

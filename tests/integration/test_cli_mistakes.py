@@ -47,10 +47,11 @@ def one_line(res: subprocess.CompletedProcess, code: int, *words: str) -> str:
     return lines[0]
 
 
-def start_up(*args: str) -> tuple[subprocess.Popen, list[str]]:
+def start_up(*args: str, env: dict[str, str] | None = None
+             ) -> tuple[subprocess.Popen, list[str]]:
     """`llm-runner up ARGS` until the orchestrator listens: the process and its stdout lines."""
     proc = subprocess.Popen([*RUNNER, "up", "--port", "0", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+                            stderr=subprocess.PIPE, text=True, env=ENV | (env or {}), cwd=ROOT)
     assert proc.stdout is not None
     lines: list[str] = []
     while not lines or "orchestrator listening" not in lines[-1]:
@@ -74,8 +75,10 @@ def endpoint(lines: list[str], pattern: str) -> str:
 
 @pytest.fixture(scope="module")
 def deployment() -> Iterator[SimpleNamespace]:
-    """One backbone stage and the orchestrator, as `llm-runner up` starts them."""
-    proc, lines = start_up()
+    """One backbone stage and the orchestrator, as `llm-runner up` starts them; requests whose
+    id starts with "slow" take 200 ms a step."""
+    proc, lines = start_up(env={"LLM_RUNNER_FAULTS": json.dumps(
+        {"step_delay_ms": 200, "slow_prefix": "slow"})})
     target = endpoint(lines, r"orchestrator listening on ([\d.]+:\d+)")
     yield SimpleNamespace(target=target, port=target.rsplit(":", 1)[1],
                           stage=endpoint(lines, r"stage process \d+ on ([\d.]+:\d+)"))
@@ -95,13 +98,19 @@ def full_pipe() -> tuple[int, int]:
     return r, w
 
 
+def _sigint_default() -> None:
+    # A shell runs background jobs with SIGINT ignored, and an ignored signal stays ignored
+    # across exec; the command must see SIGINT as a terminal's Ctrl-C delivers it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt_when_writing(cmd: list[str]) -> tuple[int, str]:
     """Runs `cmd` with stdout on a full pipe, sends SIGINT once it is blocked writing its
     output (so it is inside the work, past start-up), then drains the pipe; the exit code and
     stderr."""
     r, w = full_pipe()
     proc = subprocess.Popen(cmd, stdout=w, stderr=subprocess.PIPE, text=True, env=ENV,
-                            cwd=ROOT)
+                            cwd=ROOT, preexec_fn=_sigint_default)
     os.close(w)
     wchan = Path(f"/proc/{proc.pid}/wchan")
     deadline = time.monotonic() + LONG
@@ -160,14 +169,20 @@ def test_a_prompt_too_long_echoes_nothing() -> None:
 def test_ctrl_c_during_llm_runner_generate() -> None:
     code, err = interrupt_when_writing([*RUNNER, "generate", "Once upon a time"])
     assert "Traceback" not in err and code == 130, err
-    assert err.strip().splitlines() == ["llm-runner: interrupted"]
+    assert err == "llm-runner: interrupted\n"
 
 
 def test_ctrl_c_during_llm_stage_generate(deployment: SimpleNamespace) -> None:
-    code, err = interrupt_when_writing([*STAGE, "generate", "--target", deployment.target,
-                                        "--max-tokens", "200", "Once upon a time"])
+    proc = subprocess.Popen([*STAGE, "generate", "--target", deployment.target, "--request-id",
+                             "slow-interrupted", "Once upon a time"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+                            preexec_fn=_sigint_default)
+    assert proc.stdout is not None and proc.stdout.read(1)  # streaming; the next step is slow
+    proc.send_signal(signal.SIGINT)  # lands while the client waits on the stream
+    _, err = proc.communicate(timeout=LONG)
+    code = proc.returncode
     assert "Traceback" not in err and code == 130, err
-    assert err.strip().splitlines() == ["llm-stage: interrupted"]
+    assert err == "llm-stage: interrupted\n"
     with Client(deployment.target, timeout=30) as client:  # the request ended everywhere
         deadline = time.monotonic() + LONG
         while (topo := client.topology())["running"] or topo["queued"]:
