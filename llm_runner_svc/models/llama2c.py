@@ -104,6 +104,11 @@ class Llama2cTokenizer(Tokenizer):
         self._bytes = [self._piece_bytes(p) for p in pieces]
         self.scores = scores
         self.lookup = {p: i for i, p in enumerate(pieces)}
+        # Each piece's score as a rank, best first, equal scores sharing one; None for the
+        # pieces never merged into (score -1e10 or less, or NaN).
+        ranks = {v: r for r, v in enumerate(sorted({v for v in scores if v > -1e10},
+                                                   reverse=True))}
+        self._rank: list[int | None] = [ranks[v] if v > -1e10 else None for v in scores]
         self.vocab_size = vocab_size
         self.bos_id = BOS_ID
         # llama2.c trains stories separated by BOS, so a generated BOS ends the text too
@@ -130,33 +135,35 @@ class Llama2cTokenizer(Tokenizer):
         """llama2.c's merge order in O(n log n): repeatedly merge the adjacent pair whose
         merged piece has the highest score, the leftmost on a tie; pairs scoring -1e10 or
         less (or NaN) never merge. The tokens form a linked list over their first positions
-        (which keeps their order); a heap holds every candidate pair keyed by (-score,
-        position), and an entry whose nodes changed since it was pushed is skipped."""
+        (which keeps their order); a heap of plain ints (score rank x n + position: no
+        tuples for the garbage collector to walk) holds every candidate pair, and an entry
+        whose pair no longer merges at that rank is skipped when it comes out."""
         n = len(toks)
         if n < 2:
             return list(toks)
-        tok = list(toks)  # [n] the token that starts at each position while it is alive
+        tok = list(toks)  # [n] the token that starts at each position; -1 once merged away
         nxt = list(range(1, n + 1))
         nxt[-1] = -1
         prv = list(range(-1, n - 1))
-        ver = [0] * n  # bumped whenever a node's token changes or the node is merged away
-        heap: list[tuple[float, int, int, int, int, int]] = []
-        pieces, lookup, scores = self.pieces, self.lookup, self.scores
+        heap: list[int] = []
+        pieces, lookup, rank = self.pieces, self.lookup, self._rank
 
         def push(i: int, j: int) -> None:
             tid = lookup.get(pieces[tok[i]] + pieces[tok[j]])
-            if tid is not None and scores[tid] > -1e10:
-                heapq.heappush(heap, (-scores[tid], i, j, ver[i], ver[j], tid))
+            if tid is not None and rank[tid] is not None:
+                heapq.heappush(heap, rank[tid] * n + i)
 
         for i in range(n - 1):
             push(i, i + 1)
         while heap:
-            _, i, j, ver_i, ver_j, tid = heapq.heappop(heap)
-            if ver[i] != ver_i or ver[j] != ver_j or nxt[i] != j:
-                continue  # stale: a node of this pair changed since it was pushed
-            tok[i] = tid
-            ver[i] += 1
-            ver[j] += 1
+            r, i = divmod(heapq.heappop(heap), n)
+            j = nxt[i]
+            if tok[i] < 0 or j < 0:
+                continue
+            tid = lookup.get(pieces[tok[i]] + pieces[tok[j]])
+            if tid is None or rank[tid] != r:
+                continue  # stale: this pair changed since the entry was pushed
+            tok[i], tok[j] = tid, -1
             k = nxt[j]
             nxt[i] = k
             if k >= 0:

@@ -7,6 +7,7 @@ and on a synthetic vocabulary full of tied, NaN and very low scores.
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 from pathlib import Path
@@ -104,6 +105,24 @@ def tied(tmp_path_factory: pytest.TempPathFactory) -> Llama2cTokenizer:
 @given(text=st.text(alphabet="abc x", max_size=200))
 def test_tied_nan_and_low_scores(tied: Llama2cTokenizer, text: str) -> None:
     assert tied.encode(text) == reference_encode(tied, text)
+
+
+AB_PIECES = [("".join(p)).encode() for n in (2, 3, 4) for p in itertools.product("ab ", repeat=n)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(scores=st.lists(st.sampled_from([-2.0, -1.0, 0.0, 1.0, 2.0, -1e10, math.nan]),
+                       min_size=len(AB_PIECES), max_size=len(AB_PIECES)),
+       text=st.text(alphabet="ab ", max_size=60))
+def test_random_vocabularies(tmp_path_factory: pytest.TempPathFactory, scores: list[float],
+                             text: str) -> None:
+    """Every 2- to 4-piece of "ab " with random, mostly tied scores: merges that change a
+    neighbour's pair often, so entries go stale in every order."""
+    entries: list[tuple[bytes, float]] = [(b"<unk>", 0.0), (b"<s>", 0.0), (b"</s>", 0.0)]
+    entries += [(f"<0x{b:02X}>".encode(), 0.0) for b in range(256)]
+    entries += [(b"a", 0.0), (b"b", 0.0), (b" ", 0.0), *zip(AB_PIECES, scores, strict=True)]
+    tok = _write_tokenizer(tmp_path_factory.mktemp("ab") / "tok.bin", entries)
+    assert tok.encode(text) == reference_encode(tok, text)
 
 
 def test_long_text_is_fast_enough_to_be_linear_ish(stories: Model) -> None:
