@@ -150,8 +150,9 @@ class Llama2cTokenizer(Tokenizer):
 
         def push(i: int, j: int) -> None:
             tid = lookup.get(pieces[tok[i]] + pieces[tok[j]])
-            if tid is not None and rank[tid] is not None:
-                heapq.heappush(heap, rank[tid] * n + i)
+            r = None if tid is None else rank[tid]
+            if r is not None:
+                heapq.heappush(heap, r * n + i)
 
         for i in range(n - 1):
             push(i, i + 1)
