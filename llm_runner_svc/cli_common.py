@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -75,6 +76,9 @@ def add_version(parser: argparse.ArgumentParser, prog: str) -> None:
 
 def bind_failure(host: str, port: int, flag: str = "--port") -> RunnerError:
     """The one-line error for a server that could not bind (gRPC raises RuntimeError)."""
+    if port == 0:  # any free port would do: the address is the problem
+        return Unavailable(f"cannot listen on {host}: not an address of this machine; use "
+                           f"--host 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
     return Unavailable(f"cannot listen on {host}:{port} (in use, or not an address of this "
                        f"machine): stop what listens there, or pick another port with "
                        f"{flag} (0 = any free port)")
@@ -99,10 +103,14 @@ def run_command(prog: str, command: Callable[[], int]) -> int:
 
 
 class _TqdmWatcher:
-    """Shows a load as a bytes bar on stderr (tqdm); one bar per loader."""
+    """Shows a load as a bytes bar on stderr (tqdm), one bar per loader. A ticker thread
+    redraws it twice a second, so the elapsed time runs even while a loader parses metadata
+    without reading tensors."""
 
     def __init__(self) -> None:
         self._bar: Any = None
+        self._stopped = threading.Event()
+        self._ticker: threading.Thread | None = None
 
     def start(self, total_bytes: int, what: str) -> None:
         from tqdm import tqdm
@@ -110,12 +118,25 @@ class _TqdmWatcher:
         self.close()
         self._bar = tqdm(total=total_bytes, desc=f"loading {what}", unit="B", unit_scale=True,
                          unit_divisor=1024, leave=False, file=sys.stderr)
+        self._stopped = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, args=(self._bar, self._stopped),
+                                        name="load-progress", daemon=True)
+        self._ticker.start()
+
+    @staticmethod
+    def _tick(bar: Any, stopped: threading.Event) -> None:
+        while not stopped.wait(0.5):
+            bar.refresh()  # tqdm serialises drawing with its own lock
 
     def advance(self, num_bytes: int) -> None:
         if self._bar is not None:
             self._bar.update(num_bytes)
 
     def close(self) -> None:
+        self._stopped.set()
+        if self._ticker is not None:
+            self._ticker.join()
+            self._ticker = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None

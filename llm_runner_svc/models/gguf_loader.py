@@ -176,13 +176,15 @@ def load_gguf(path: Path) -> Model:
 
 
 def _load(path: Path) -> Model:
-    reader = GGUFReader(path, "r")
+    size_bytes = path.stat().st_size
+    load_progress.start(size_bytes, path.name)
+    reader = GGUFReader(path, "r")  # parses the metadata: seconds for a large vocabulary
+    load_progress.advance(size_bytes - sum(int(t.n_bytes) for t in reader.tensors))
     arch = str(_field(reader, "general.architecture"))
     if arch not in _ARCHS:
         raise Unimplemented(f"GGUF architecture {arch!r} is not supported "
                             f"(supported: {', '.join(sorted(_ARCHS))})")
     tensors = {t.name: t for t in reader.tensors}
-    load_progress.start(sum(int(t.n_bytes) for t in reader.tensors), path.name)
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:

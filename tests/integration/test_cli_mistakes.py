@@ -153,6 +153,8 @@ def test_generate_with_nothing_listening() -> None:
     res = run(*STAGE, "generate", "--target", f"127.0.0.1:{port}", "Hi")
     one_line(res, 2, "UNAVAILABLE", f"nothing answers at 127.0.0.1:{port}", "llm-stage up")
     assert res.stdout == ""
+    res = run(*STAGE, "generate", "--target", "no-such-host.invalid:50050", "Hi")
+    one_line(res, 2, "UNAVAILABLE", "cannot resolve the host", "host:port")
 
 
 def test_generate_pointed_at_a_stage(deployment: SimpleNamespace) -> None:

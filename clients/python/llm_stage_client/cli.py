@@ -97,6 +97,9 @@ def with_hint(exc: StageClientError, target: str) -> StageClientError:
         return StageClientError(exc.code, f"nothing answers at {target}: start a deployment "
                                 f"with `llm-stage up` (or `llm-runner up`), or point --target "
                                 f"(or ${TARGET_ENV}) at a running orchestrator")
+    if exc.code == "UNAVAILABLE" and "resolv" in exc.message.lower():
+        return StageClientError(exc.code, f"cannot resolve the host of {target!r}: give "
+                                f"--target (or ${TARGET_ENV}) as host:port")
     if exc.code == "UNIMPLEMENTED":
         return StageClientError(exc.code, f"{target} is not an orchestrator (no "
                                 f"llmstage.v1.Orchestrator there; a stage from `llm-runner "
