@@ -4,6 +4,7 @@ For each model it starts an `llm-runner serve` process (default stage config), p
 grpc.health.v1 Check from a thread every 10 ms for the whole run, and times Admit of:
   - a 1,000,000-byte prompt (over the prompt byte limit: INVALID_ARGUMENT before tokenizing),
   - 1, 2, 4 and 8 KB prompts of English text (tokenized; admitted, or refused as too long),
+  - 300,000 stop strings, and 2,000,000 token ids (refused),
   - 8 KB prompts on 8 slots at once.
 Then, in this process, the llama2.c tokenizer against llama2.c's rescanning merge loop.
 
@@ -94,9 +95,11 @@ def start_stage(model: str, tmp: str) -> tuple[subprocess.Popen, str]:
     return proc, m.group(1)
 
 
-def admit(stub: stage_pb2_grpc.StageStub, slot: int, text: str) -> tuple[float, str]:
+def admit(stub: stage_pb2_grpc.StageStub, slot: int, text: str | pb.GenerationRequest
+          ) -> tuple[float, str]:
     """Admit then Reset one slot; (Admit's ms, its outcome)."""
-    req = pb.AdmitRequest(slot_id=slot, request=pb.GenerationRequest(text=text))
+    gen = pb.GenerationRequest(text=text) if isinstance(text, str) else text
+    req = pb.AdmitRequest(slot_id=slot, request=gen)
     t0 = time.perf_counter()
     try:
         ans = stub.Admit(req, timeout=30)
@@ -122,6 +125,13 @@ def bench_model(model: str, rounds: int, tmp: str) -> None:
                 ms = [r[0] for r in runs]
                 print(f"Admit {size:>9,} bytes: median {statistics.median(ms):7.2f} ms, "
                       f"max {max(ms):7.2f} ms  ({runs[0][1]})")
+            for name, gen in (
+                    ("300,000 stop strings", pb.GenerationRequest(
+                        text="Hi", stop=[f"stop-{i}" for i in range(300_000)])),
+                    ("2,000,000 token ids", pb.GenerationRequest(
+                        token_ids=pb.TokenIds(ids=[5] * 2_000_000)))):
+                ms, outcome = admit(stub, 1, gen)
+                print(f"Admit of {name}: {ms:.2f} ms ({outcome})")
             with ThreadPoolExecutor(8) as pool:
                 t0 = time.perf_counter()
                 runs = list(pool.map(lambda s: admit(stub, s, text_of(8192)), range(10, 18)))

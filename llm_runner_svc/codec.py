@@ -15,6 +15,7 @@ from llm_runner_svc.stage.hidden_messages import (
     StepsMessage,
     TensorBytes,
 )
+from llm_runner_svc.stage.limits import RequestSizes
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.contract.llmstage.v1 import tensor_pb2
 from services.stage.codec import reason_to_pb
@@ -44,6 +45,13 @@ def request_from_pb(slot_id: int, req_pb: pb.GenerationRequest) -> StageRequest:
         seed=s.seed if s.HasField("seed") else None,
         stop=tuple(req_pb.stop), logit_bias=dict(req_pb.logit_bias), lora=req_pb.lora,
         ports=tuple(req_pb.ports), num_media=len(req_pb.media), ignore_eos=req_pb.ignore_eos)
+
+
+def request_sizes(req_pb: pb.GenerationRequest) -> RequestSizes:
+    """The counts Admit checks before converting the request (each O(1) on the message)."""
+    return RequestSizes(num_stop=len(req_pb.stop), num_logit_bias=len(req_pb.logit_bias),
+                        num_messages=len(req_pb.messages.messages),
+                        num_token_ids=len(req_pb.token_ids.ids), num_media=len(req_pb.media))
 
 
 def admission_to_pb(adm: Admission) -> pb.AdmitResponse:

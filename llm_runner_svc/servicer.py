@@ -45,6 +45,10 @@ class StageServicer(StageServicerBase):
         check_slot_id(request.slot_id)
         if not request.HasField("request"):
             raise InvalidArgument("AdmitRequest.request is required")
+        early = self.stage.refuse_oversized(request.slot_id,
+                                            codec.request_sizes(request.request))
+        if early is not None:  # refused before paying to convert what it carries
+            return codec.admission_to_pb(early)
         req = codec.request_from_pb(request.slot_id, request.request)
         return codec.admission_to_pb(await self.stage.admit(
             request.slot_id, req, call_ctx(context), context_from(request.traceparent)))

@@ -12,7 +12,7 @@ from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.models import Model
 from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, resolve
 from llm_runner_svc.stage.config import StageConfig
-from llm_runner_svc.stage.limits import RequestLimits, check_malformed
+from llm_runner_svc.stage.limits import RequestLimits, RequestSizes, check_malformed
 from llm_runner_svc.stage.request import StageRequest
 from services.stage.slot import Slot, SlotState
 
@@ -54,7 +54,7 @@ def check_request(config: StageConfig, model: Model, max_seq: int, req: StageReq
     if num_live >= capacity:
         raise Refused(Refusal.NO_CAPACITY, f"the stage holds {num_live} requests, its limit "
                       f"(maxBatch {config.max_batch} + {config.max_waiting} waiting)")
-    check_limits(config.limits, req)
+    check_limits(config.limits, max_seq, req)
     if req.lora:
         raise Refused(Refusal.UNKNOWN_ADAPTER,
                       f"LoRA adapter {req.lora!r} is unknown; this stage loads no adapters")
@@ -80,26 +80,35 @@ def check_request(config: StageConfig, model: Model, max_seq: int, req: StageReq
                       f"model {model.name} has no chat template; send text or token_ids")
 
 
-def check_limits(limits: RequestLimits, req: StageRequest) -> None:
-    """The stage's per-request limits (limits.py): stop strings and logit bias are
-    generation controls (SAMPLING_OUT_OF_RANGE), chat turns are prompt (PROMPT_TOO_LONG),
-    media parts MEDIA_UNSUPPORTED."""
-    if len(req.stop) > limits.max_stop_strings:
-        raise Refused(Refusal.SAMPLING_OUT_OF_RANGE, f"the request has {len(req.stop)} stop "
+def check_counts(limits: RequestLimits, max_seq: int, sizes: RequestSizes) -> None:
+    """The stage's per-request limits on counts (limits.py), which Admit checks on the wire
+    message before converting it: stop strings and logit bias are generation controls
+    (SAMPLING_OUT_OF_RANGE), chat turns and token ids are prompt (PROMPT_TOO_LONG), media
+    parts MEDIA_UNSUPPORTED."""
+    if sizes.num_stop > limits.max_stop_strings:
+        raise Refused(Refusal.SAMPLING_OUT_OF_RANGE, f"the request has {sizes.num_stop} stop "
                       f"strings; the limit is {limits.max_stop_strings} (maxStopStrings)")
+    if sizes.num_logit_bias > limits.max_logit_bias:
+        raise Refused(Refusal.SAMPLING_OUT_OF_RANGE, f"logit_bias has {sizes.num_logit_bias} "
+                      f"entries; the limit is {limits.max_logit_bias} (maxLogitBias)")
+    if sizes.num_messages > limits.max_messages:
+        raise Refused(Refusal.PROMPT_TOO_LONG, f"the request has {sizes.num_messages} chat "
+                      f"messages; the limit is {limits.max_messages} (maxMessages)")
+    if sizes.num_token_ids >= max_seq:
+        raise Refused(Refusal.PROMPT_TOO_LONG, f"prompt has {sizes.num_token_ids} tokens; "
+                      f"maxSeq is {max_seq}, which leaves no room to generate")
+    if sizes.num_media > limits.max_media_parts:
+        raise Refused(Refusal.MEDIA_UNSUPPORTED, f"the request has {sizes.num_media} media "
+                      f"parts; the limit is {limits.max_media_parts} (maxMediaParts)")
+
+
+def check_limits(limits: RequestLimits, max_seq: int, req: StageRequest) -> None:
+    """Every per-request limit on a converted request: the counts, then the stop bytes."""
+    check_counts(limits, max_seq, RequestSizes.of(req))
     stop_bytes = sum(len(s.encode()) for s in req.stop)
     if stop_bytes > limits.max_stop_bytes:
         raise Refused(Refusal.SAMPLING_OUT_OF_RANGE, f"the stop strings hold {stop_bytes} "
                       f"bytes; the limit is {limits.max_stop_bytes} (maxStopBytes)")
-    if len(req.logit_bias) > limits.max_logit_bias:
-        raise Refused(Refusal.SAMPLING_OUT_OF_RANGE, f"logit_bias has {len(req.logit_bias)} "
-                      f"entries; the limit is {limits.max_logit_bias} (maxLogitBias)")
-    if req.messages is not None and len(req.messages) > limits.max_messages:
-        raise Refused(Refusal.PROMPT_TOO_LONG, f"the request has {len(req.messages)} chat "
-                      f"messages; the limit is {limits.max_messages} (maxMessages)")
-    if req.num_media > limits.max_media_parts:
-        raise Refused(Refusal.MEDIA_UNSUPPORTED, f"the request has {req.num_media} media "
-                      f"parts; the limit is {limits.max_media_parts} (maxMediaParts)")
 
 
 def tokenize(model: Model, req: StageRequest) -> tuple[int, ...]:

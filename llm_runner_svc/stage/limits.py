@@ -55,6 +55,24 @@ class RequestLimits:
         return self.max_prompt_bytes or max_seq * PROMPT_BYTES_PER_TOKEN
 
 
+@dataclass(frozen=True)
+class RequestSizes:
+    """How many items a request carries, read off the wire message in O(1) before it is
+    converted (converting 300,000 stop strings or 2,000,000 token ids takes 0.1-0.3 s)."""
+
+    num_stop: int = 0
+    num_logit_bias: int = 0
+    num_messages: int = 0
+    num_token_ids: int = 0
+    num_media: int = 0
+
+    @classmethod
+    def of(cls, req: StageRequest) -> RequestSizes:
+        return cls(len(req.stop), len(req.logit_bias),
+                   len(req.messages) if req.messages is not None else 0,
+                   len(req.token_ids) if req.token_ids is not None else 0, req.num_media)
+
+
 def parse_limits(raw: Mapping[str, Any]) -> RequestLimits:
     """The limits named in one stage's entry of the deployment file (others keep defaults)."""
     values: dict[str, Any] = {name: raw[key] for key, (name, _) in KEYS.items() if key in raw}

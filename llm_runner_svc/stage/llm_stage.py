@@ -23,6 +23,7 @@ from llm_runner_svc.stage.admission import (
     Admission,
     Refused,
     build_runtime_request,
+    check_counts,
     check_load,
     check_prompt,
     check_request,
@@ -32,6 +33,7 @@ from llm_runner_svc.stage.config import StageConfig
 from llm_runner_svc.stage.describe import StageDescription, describe
 from llm_runner_svc.stage.diagnostics import StageSnapshot, slot_diagnostics, stage_diagnostics
 from llm_runner_svc.stage.faults import runtime_factory_from_env
+from llm_runner_svc.stage.limits import RequestSizes
 from llm_runner_svc.stage.metrics import StageMetrics
 from llm_runner_svc.stage.publish import HiddenPublisher, Subscriber
 from llm_runner_svc.stage.publish_step import publish_step
@@ -121,6 +123,18 @@ class LlmStage(StageCore):
             raise
         finally:
             span.end()
+
+    def refuse_oversized(self, slot_id: int, sizes: RequestSizes) -> Admission | None:
+        """Admit's first step, on counts read off the wire message before it is converted:
+        the refusal of a request carrying more than this stage takes, else None (then
+        `admit`). A taken slot id or a draining stage raises as Admit does."""
+        self.check_admit(slot_id)
+        try:
+            check_counts(self.config.limits, self.runtime.max_seq, sizes)
+        except Refused as refused:
+            self.metrics.refused.labels(refused.refusal.value).inc()
+            return Admission(False, refused.refusal, refused.reason)
+        return None
 
     async def _admit(self, slot_id: int, request: StageRequest, request_ctx: Any) -> Admission:
         t0 = time.perf_counter()

@@ -219,7 +219,8 @@ def test_fuzzed_bytes_at_the_orchestrator(rig: LoggedRig, raw: bytes, as_cancel:
     (dict(messages=[("user", "hi")] * 300), pb.REFUSAL_PROMPT_TOO_LONG, "maxMessages"),
     (dict(text="Hi", media=[pb.MediaPart(mime_type="image/png")] * 40),
      pb.REFUSAL_MEDIA_UNSUPPORTED, "maxMediaParts"),
-], ids=["stop_strings", "stop_bytes", "logit_bias", "messages", "media"])
+    (dict(token_ids=[5] * 2_000_000), pb.REFUSAL_PROMPT_TOO_LONG, "maxSeq"),
+], ids=["stop_strings", "stop_bytes", "logit_bias", "messages", "media", "token_ids"])
 def test_oversized_requests_are_refused_at_admit(rig: LoggedRig, watch: HealthWatch,
                                                  request_kw: dict, refusal: int,
                                                  key: str) -> None:

@@ -68,12 +68,12 @@ def test_limits_beyond_are_refusals_naming_the_key(kw: dict, refusal: Refusal,
                                                    needle: str) -> None:
     limits = RequestLimits(max_stop_strings=2, max_stop_bytes=10, max_logit_bias=3,
                            max_messages=1, max_media_parts=0)
-    check_limits(limits, StageRequest("r", text="hi", stop=("ab",)))
+    check_limits(limits, 512, StageRequest("r", text="hi", stop=("ab",)))
     with pytest.raises(Refused) as err:
-        check_limits(limits, StageRequest("r", text="hi", **kw))
+        check_limits(limits, 512, StageRequest("r", text="hi", **kw))
     assert err.value.refusal is refusal and needle in err.value.reason
     with pytest.raises(Refused, match="2 chat messages.*maxMessages") as err:
-        check_limits(limits, StageRequest("r", messages=(ChatTurn("user", "a"),) * 2))
+        check_limits(limits, 512, StageRequest("r", messages=(ChatTurn("user", "a"),) * 2))
     assert err.value.refusal is Refusal.PROMPT_TOO_LONG
 
 
