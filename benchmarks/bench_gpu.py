@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_paths  # noqa: E402
 
+from llm_runner_svc.engines.base import DecodeRow  # noqa: E402
 from llm_runner_svc.engines.torch_engine import TorchEngine  # noqa: E402
 from llm_runner_svc.engines.torch_weights import named_shape  # noqa: E402
 from llm_runner_svc.models.spec import LayerWeights, ModelConfig, ModelWeights  # noqa: E402
@@ -106,11 +107,18 @@ def shared_weights(model: torch.nn.Module, config: ModelConfig) -> ModelWeights:
                         final_norm=sd["model.norm.weight"], lm_head=head)
 
 
-def graph_step_ms(engine: TorchEngine, batch: int) -> float:
-    """Replays of the captured step for `batch` rows (inputs as the last step left them)."""
+def graph_step_ms(engine: TorchEngine, batch: int, position: int) -> float:
+    """Replays of the captured step for `batch` rows, each at `position` on pages of its
+    own (inputs staged here: a runtime may have left the buffer staged for another batch
+    size, whose packed layout a replay would misread)."""
     graphs = engine.graphs
     assert graphs is not None
     bucket = graphs.bucket_for(batch)
+    plan = engine._need_plan()
+    per_row = position // plan.page_size + 1
+    rows = [DecodeRow(0, position, [(i * per_row + p) % plan.num_pages for p in range(per_row)])
+            for i in range(batch)]
+    engine.stager.stage(rows, bucket)
     return gpu_paths.event_ms(lambda: graphs.replay(bucket), reps=100, warmup=5)
 
 
@@ -168,7 +176,7 @@ def bench_shape(name: str, args: argparse.Namespace, bandwidth: float) -> list[d
     for b in args.batches:
         step = gpu_paths.in_process(rt, prompts[b], args.steps)
         rows.append({"shape": name, "batch": b, "floor_ms": floor_ms,
-                     "graph_ms": graph_step_ms(engine, b),
+                     "graph_ms": graph_step_ms(engine, b, args.prompt),
                      "in_process_ms": 1000 * step})
     served_ms = asyncio.run(served(engine, model, rt_config, args.batches, prompts, args.steps,
                                    args.inline_orchestrator))

@@ -11,8 +11,9 @@ For each model shape (random weights at the real shape, drawn once into a transf
   - floor: the prompt's FLOPs (every linear product for every token, causal attention, the
     head for the last token) at the bf16 matrix-product rate measured at the start of the
     run (an 8192^3 product);
-  - stall: `--stall-batch` requests decoding, then one `--stall-prompt`-token prompt joins:
-    the median decode step before it, the longest step until its first token, and its TTFT
+  - stall: `--stall-batch` requests decoding, then one `--stall-prompt`-token prompt joins
+    (after one such prompt has joined and left, to warm up): the median decode step before
+    it, the longest and the median step until its first token, and its TTFT
     (on a runtime of its own for each of `--stall-chunks`: prompt tokens per forward or per
     step; 0 = the runtime's default).
 `--smoke` runs a tiny shape on the CPU (float32) to check the script without a GPU.
@@ -128,7 +129,8 @@ def ttft_s(rt: InferenceRuntime, prompt: list[int], reps: int, tag: str) -> floa
 
 
 def stall(rt: InferenceRuntime, vocab: int, batch: int, prompt_len: int) -> dict:
-    """`batch` requests decoding, then a `prompt_len` prompt joins."""
+    """`batch` requests decoding, then a `prompt_len` prompt joins; twice, the first time
+    to warm up what a joining prompt's steps use first (product shapes, kernel modules)."""
     gen = torch.Generator().manual_seed(2)
     own = min(128, rt.max_seq // 8)  # each decoding request's prompt
     for i in range(batch):
@@ -136,22 +138,26 @@ def stall(rt: InferenceRuntime, vocab: int, batch: int, prompt_len: int) -> dict
         rt.submit(_request(rt, f"d{i}", ids, rt.max_seq - own))
     for _ in range(4):  # every request prefilled and decoding
         rt.step()
+    long_prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
+    rt.submit(_request(rt, "warm-up", long_prompt, 1))
+    until_first_token(rt, "warm-up", [])
     before: list[float] = []
     for _ in range(30):
         t = time.perf_counter()
         rt.step()
         before.append(time.perf_counter() - t)
     joining: list[float] = []
-    long_prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
-    rt.submit(_request(rt, "joiner", long_prompt, 8))
+    rt.submit(_request(rt, "joiner", long_prompt[::-1], 8))
     first = until_first_token(rt, "joiner", joining)
     for i in range(batch):
         rt.cancel(f"d{i}")
     while rt.has_work:
         rt.step()
     return {"decode_step_ms": 1000 * statistics.median(before),
-            "longest_step_ms": 1000 * max(joining), "steps_to_first_token": len(joining),
-            "joiner_ttft_ms": 1000 * first}
+            "longest_step_ms": 1000 * max(joining),
+            "median_joining_step_ms": 1000 * statistics.median(joining),
+            "steps_to_first_token": len(joining), "joiner_ttft_ms": 1000 * first,
+            "joining_steps_ms": [round(1000 * t, 2) for t in joining]}
 
 
 def runtime(engine: TorchEngine, max_batch: int, max_seq: int, chunk: int | None
@@ -218,14 +224,15 @@ def print_tables(rows: list[dict]) -> None:
             print(f"| {r['shape']} | {r['prompt']:,} | {r['ttft_ms']:.1f} | {hf_cells} | "
                   f"{r['floor_ms']:.1f} | {r['floor_ms'] / r['ttft_ms']:.0%} |")
     print("| shape | decoding | joining prompt | tokens per step | decode step ms | longest "
-          "step ms | steps to its first token | its TTFT ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "step ms | median joining step ms | steps to its first token | its TTFT ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "stall_batch" in r:
             print(f"| {r['shape']} | {r['stall_batch']} | {r['stall_prompt']:,} | "
                   f"{r['stall_chunk'] or 'default'} | "
                   f"{r['decode_step_ms']:.2f} | {r['longest_step_ms']:.1f} | "
-                  f"{r['steps_to_first_token']} | {r['joiner_ttft_ms']:.1f} |")
+                  f"{r['median_joining_step_ms']:.1f} | {r['steps_to_first_token']} | "
+                  f"{r['joiner_ttft_ms']:.1f} |")
 
 
 def main() -> None:
