@@ -23,6 +23,9 @@ from services.server import ServerOptions
 log = logging.getLogger(__name__)
 
 _LISTENING = re.compile(r"listening on [\w.\-]+:(\d+)")
+# A terminal's Ctrl-C reaches the children too; LLM_RUNNER_LAUNCHED tells a child `llm-runner`
+# to leave the one "interrupted" line to this process.
+CHILD_ENV = {"PYTHONUNBUFFERED": "1", "LLM_RUNNER_LAUNCHED": "1"}
 
 
 class StageProcess:
@@ -40,7 +43,7 @@ class StageProcess:
             cmd += ["--stage", stage]
         try:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                                         env=os.environ | {"PYTHONUNBUFFERED": "1"})
+                                         env=os.environ | CHILD_ENV)
         except OSError as exc:  # no such file, or not executable
             raise FailedPrecondition(_not_runnable(cmd[0], exc)) from exc
         assert self.proc.stdout is not None

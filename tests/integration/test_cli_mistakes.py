@@ -192,6 +192,32 @@ def test_ctrl_c_during_llm_stage_generate(deployment: SimpleNamespace) -> None:
             time.sleep(0.05)
 
 
+def test_ctrl_c_while_up_starts_its_stages(tmp_path: Path) -> None:
+    (tmp_path / "stage.json").write_text(json.dumps({"stages": [{
+        "id": "backbone", "runner": "llm.backbone", "artifact": "smollm2",  # seconds to load
+        "emits": ["text", "tokens"]}]}))
+    (tmp_path / "topology.json").write_text(json.dumps({
+        "stages": [{"id": "backbone", "runner": "llm.backbone", "emits": ["text", "tokens"],
+                    "inputs": ["request:prompt"], "launch": {"config": "stage.json"}}],
+        "sinks": ["backbone:text"]}))
+    proc = subprocess.Popen([*RUNNER, "up", "--port", "0", "--topology",
+                             str(tmp_path / "topology.json")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+                            start_new_session=True, preexec_fn=_sigint_default)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    deadline = time.monotonic() + LONG
+    while not children.read_text().strip():  # the stage process has started
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)  # polling /proc, not synchronising: the condition decides
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: parent and child alike
+    out, err = proc.communicate(timeout=LONG)
+    assert "Traceback" not in err, err
+    if "orchestrator listening" in out:  # the load beat us: a served deployment stops cleanly
+        assert proc.returncode == 0
+    else:  # one line, from `up` alone (the stage child does not repeat it)
+        assert (proc.returncode, err) == (130, "llm-runner: interrupted\n")
+
+
 def test_without_seed_each_run_draws_one_and_reports_it() -> None:
     def sample(*seed: str) -> tuple[str, int]:
         res = run(*RUNNER, "generate", "--max-tokens", "24", *seed, "Once upon a time")
