@@ -159,20 +159,32 @@ def test_undecodable_requests_are_invalid_argument(rig: LoggedRig, watch: Health
     assert not rig.error_lines()
 
 
+def admit_with(slot: int, name: str, raw: bytes) -> tuple[bytes, str]:
+    """Admit bytes with string field `name` holding `raw`, and that field's path."""
+    if name == "traceparent":
+        return admit_bytes(slot, make_request(text="Once", max_tokens=4).SerializeToString(),
+                           raw), "traceparent"
+    if name == "content":
+        return admit_bytes(slot, chat_bytes(raw)), "request.messages.messages.content"
+    valid = {} if name == "text" else {"text": "Once upon a time", "max_tokens": 4}
+    return admit_bytes(slot, generation(name, raw, **valid)), f"request.{name}"
+
+
 @FUZZ
-@given(name=st.sampled_from(["text", "request_id", "stop", "lora"]), raw=st.binary(max_size=40))
-def test_fuzzed_string_bytes_at_admit(rig: LoggedRig, name: str, raw: bytes) -> None:
+@given(name=st.sampled_from(["text", "request_id", "stop", "lora", "ports", "traceparent",
+                             "content"]), raw=st.binary(max_size=40))
+def test_fuzzed_string_bytes_at_admit(rig: LoggedRig, watch: HealthWatch, name: str,
+                                      raw: bytes) -> None:
     """Any bytes in a string field: INVALID_ARGUMENT naming it unless they are UTF-8, and
     then the answer of that string (admitted, refused, or malformed for a reason of its own)."""
     slot = rig.slot()
-    valid = {} if name == "text" else {"text": "Once upon a time", "max_tokens": 4}
-    err = raw_call(rig.runner.channel, STAGE + "Admit",
-                   admit_bytes(slot, generation(name, raw, **valid)), False)
+    body, path = admit_with(slot, name, raw)
+    err = raw_call(rig.runner.channel, STAGE + "Admit", body, False)
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError:
         assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert f"field 'request.{name}'" in (err.details() or ""), err.details()
+        assert f"field {path!r}" in (err.details() or ""), err.details()
         return
     finally:
         rig.stub.Reset(pb.ResetRequest(slot_id=slot), timeout=10)
@@ -182,8 +194,27 @@ def test_fuzzed_string_bytes_at_admit(rig: LoggedRig, name: str, raw: bytes) -> 
 
 
 @FUZZ
+@given(raw=st.binary(max_size=40))
+def test_fuzzed_bytes_at_subscribe(rig: LoggedRig, watch: HealthWatch, raw: bytes) -> None:
+    """A Subscribe's request id of any bytes: subscribed when UTF-8 (then cancelled),
+    INVALID_ARGUMENT naming it otherwise."""
+    stream = rig.runner.channel.unary_stream(STAGE + "Subscribe")(
+        field(1, raw) + field(3, b"hidden"), timeout=10)
+    try:
+        first = pb.SubscribeEvent.FromString(next(stream))
+        raw.decode("utf-8")
+        assert first.HasField("subscribed")
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        assert raw == b"" or "field 'request_id'" in (err.details() or ""), err.details()
+    finally:
+        stream.cancel()
+
+
+@FUZZ
 @given(raw=st.binary(max_size=24), as_cancel=st.booleans())
-def test_fuzzed_bytes_at_the_orchestrator(rig: LoggedRig, raw: bytes, as_cancel: bool) -> None:
+def test_fuzzed_bytes_at_the_orchestrator(rig: LoggedRig, watch: HealthWatch, raw: bytes,
+                                          as_cancel: bool) -> None:
     """Request ids of any bytes: Cancel of a UTF-8 one finds nothing, of any other is
     INVALID_ARGUMENT; Generate with such a text is served or INVALID_ARGUMENT."""
     try:
