@@ -13,8 +13,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rig import Orchestrator, Rig, Runner, write_stage
 
-# Generous: the suite shares a small machine; a stage that freezes misses it by seconds.
-HEALTH_TIMEOUT_S = 1.0
+# Generous (the stage answers in milliseconds, see docs/benchmarks.md): the suite shares small
+# machines, and a stage that tokenizes on its event loop misses it by many seconds.
+HEALTH_TIMEOUT_S = 2.0
 LONE_SURROGATE = b"\xed\xa0\x80"  # what a JavaScript string with one becomes (CESU-8)
 
 
