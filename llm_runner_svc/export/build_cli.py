@@ -16,12 +16,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from llm_runner_svc.cli_common import HelpFormatter, load_progress
-from llm_runner_svc.export.profiles import PlanLimits
-from llm_runner_svc.export.signature import GraphDtype
-from llm_runner_svc.models import EMBEDDED_NAME, SMOLLM2_NAME
 
 
 def add_build_engine(sub: argparse._SubParsersAction) -> None:
+    from llm_runner_svc.export.signature import GraphDtype
+    from llm_runner_svc.models import EMBEDDED_NAME, SMOLLM2_NAME
+
     p = sub.add_parser("build-engine", help="export the ONNX step graph and build a TensorRT "
                                             "plan with its engine.json sidecar",
                        formatter_class=HelpFormatter)
@@ -75,6 +75,8 @@ class _Phases:
 
 def run_build_engine(args: argparse.Namespace) -> int:
     from llm_runner_svc.export.build import build_engine_dir
+    from llm_runner_svc.export.profiles import PlanLimits
+    from llm_runner_svc.export.signature import GraphDtype
 
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     phases = _Phases(args.quiet)

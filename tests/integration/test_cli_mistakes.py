@@ -104,10 +104,9 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def interrupt_when_writing(cmd: list[str]) -> tuple[int, str]:
-    """Runs `cmd` with stdout on a full pipe, sends SIGINT once it is blocked writing its
-    output (so it is inside the work, past start-up), then drains the pipe; the exit code and
-    stderr."""
+def blocked_writer(cmd: list[str]) -> tuple[subprocess.Popen, int]:
+    """Runs `cmd` with stdout on a full pipe until it is blocked writing its output (so it is
+    inside the work, past start-up); the process and the pipe's read end."""
     r, w = full_pipe()
     proc = subprocess.Popen(cmd, stdout=w, stderr=subprocess.PIPE, text=True, env=ENV,
                             cwd=ROOT, preexec_fn=_sigint_default)
@@ -118,6 +117,12 @@ def interrupt_when_writing(cmd: list[str]) -> tuple[int, str]:
         assert proc.poll() is None, proc.stderr.read()  # type: ignore[union-attr]
         assert time.monotonic() < deadline, "the command never wrote its output"
         time.sleep(0.02)  # polling /proc, not synchronising: the condition decides
+    return proc, r
+
+
+def interrupt_when_writing(cmd: list[str]) -> tuple[int, str]:
+    """SIGINT to `cmd` while it writes its output; its exit code and stderr."""
+    proc, r = blocked_writer(cmd)
     proc.send_signal(signal.SIGINT)
     with os.fdopen(r, "rb") as out:
         out.read()  # let it finish its last writes
@@ -185,11 +190,35 @@ def test_ctrl_c_during_llm_stage_generate(deployment: SimpleNamespace) -> None:
     code = proc.returncode
     assert "Traceback" not in err and code == 130, err
     assert err == "llm-stage: interrupted\n"
-    with Client(deployment.target, timeout=30) as client:  # the request ended everywhere
+    wait_idle(deployment.target)  # the request ended everywhere
+
+
+def test_llm_stage_stdout_reader_going_away(deployment: SimpleNamespace) -> None:
+    proc = subprocess.Popen([*STAGE, "generate", "--target", deployment.target, "--request-id",
+                             "slow-piped", "Once upon a time"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=ENV, cwd=ROOT)
+    assert proc.stdout is not None and proc.stdout.read(1)  # streaming; the next step is slow
+    proc.stdout.close()  # `| head -c 1`
+    assert proc.wait(LONG) == 141
+    assert proc.stderr is not None and proc.stderr.read() == b""
+    wait_idle(deployment.target)
+
+
+def wait_idle(target: str) -> None:
+    """Until the orchestrator at `target` runs and queues no request."""
+    with Client(target, timeout=30) as client:
         deadline = time.monotonic() + LONG
         while (topo := client.topology())["running"] or topo["queued"]:
             assert time.monotonic() < deadline, topo
             time.sleep(0.05)
+
+
+def test_stdout_reader_going_away() -> None:
+    """`llm-runner generate | head -c 5`: exit 141 as coreutils do, and nothing on stderr."""
+    proc, r = blocked_writer([*RUNNER, "generate", "Once upon a time"])
+    os.close(r)  # the reader leaves while the command writes
+    assert proc.wait(LONG) == 141
+    assert proc.stderr is not None and proc.stderr.read() == ""
 
 
 def test_ctrl_c_while_up_starts_its_stages(tmp_path: Path) -> None:
@@ -206,7 +235,13 @@ def test_ctrl_c_while_up_starts_its_stages(tmp_path: Path) -> None:
                             start_new_session=True, preexec_fn=_sigint_default)
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
     deadline = time.monotonic() + LONG
-    while not children.read_text().strip():  # the stage process has started
+
+    def is_loading() -> bool:  # the stage process runs our code (numpy is mapped): past the
+        # interpreter's own start-up, which a SIGINT would abort with Python's fatal error
+        pids = children.read_text().split()
+        return bool(pids) and "numpy" in Path(f"/proc/{pids[0]}/maps").read_text()
+
+    while not is_loading():
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.02)  # polling /proc, not synchronising: the condition decides
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: parent and child alike

@@ -27,6 +27,7 @@ TARGET_ENV = "LLM_STAGE_TARGET"
 _FAILED = ("error", "cancelled")
 EXIT_FAILED = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: stdout's reader left (`| head`), as coreutils report
 
 
 def default_target() -> str:
@@ -170,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs `llm-stage`; the exit code: 0 done, 1 the request ended in error or was cancelled,
-    2 the call failed (one line on stderr says why and what to do), 130 Ctrl-C."""
+    2 the call failed (one line on stderr says why and what to do), 130 Ctrl-C, 141 stdout's
+    reader went away (`| head`)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -181,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # closing the client has cancelled the request on every stage
         print("llm-stage: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the request is cancelled as for Ctrl-C; no line: nobody reads
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     return code
 
 
