@@ -154,6 +154,8 @@ class LlmStage(StageCore):
             slot.telemetry.request_ctx = request_ctx
             slot.telemetry.admit_ms = (time.perf_counter() - t0) * 1000.0
             self.slots.admit(slot)
+            if request.wants_hidden:
+                self.hidden.request_started(request.request_id)
         except Refused as refused:
             return Admission(False, refused.refusal, refused.reason)
         finally:
@@ -204,7 +206,9 @@ class LlmStage(StageCore):
                                      "emits)")
         if request_id == "":
             raise InvalidArgument("Subscribe needs a request_id or all_requests")
-        return await self.hidden.subscribe(request_id, use_shm)
+        is_started = request_id is None or any(
+            s.request.request_id == request_id for s in self.slots)
+        return await self.hidden.subscribe(request_id, use_shm, is_started)
 
     def unsubscribe(self, sub: Subscriber) -> None:
         """The subscriber went. Closing it also releases a decode loop held on its full

@@ -147,8 +147,8 @@ class Subscriber:
             self._cond.notify_all()
 
 
-async def _make_ring(capacity: int) -> ShmRing:
-    made = asyncio.get_running_loop().run_in_executor(None, ShmRing, capacity)
+async def _make_ring(capacity: int, is_faulted_in: bool) -> ShmRing:
+    made = asyncio.get_running_loop().run_in_executor(None, ShmRing, capacity, is_faulted_in)
     try:
         return await asyncio.shield(made)
     except asyncio.CancelledError:  # the caller left: the ring, once made, is not leaked
@@ -219,15 +219,18 @@ class HiddenPublisher:
         return BlockMessage(tuple(rows.request_ids), tuple(rows.seqs), tuple(rows.positions),
                             tuple(rows.token_ids), e, s)
 
-    async def subscribe(self, request_id: str | None, use_shm: bool) -> Subscriber:
+    async def subscribe(self, request_id: str | None, use_shm: bool,
+                        is_started: bool = True) -> Subscriber:
         """Register a subscriber; with shared memory its ring is made (and its pages faulted
         in, tens of ms for a large ring) on a worker thread, off the event loop, within the
-        stage's shared-memory budget (ResourceExhausted beyond it)."""
+        stage's shared-memory budget (ResourceExhausted beyond it). The ring of a request
+        that has not started (`is_started` False) is faulted in by `request_started`."""
         ring = None
         if use_shm:
             self.shm.reserve()
             try:
-                ring = await _make_ring(self.shm.ring_bytes)
+                ring = await _make_ring(self.shm.ring_bytes,
+                                        is_started or request_id is None)
             except BaseException:
                 self.shm.release()
                 raise
@@ -239,6 +242,12 @@ class HiddenPublisher:
         else:
             self._by_request.setdefault(request_id, []).append(sub)
         return sub
+
+    def request_started(self, request_id: str) -> None:
+        """Fault in the rings of the request's subscribers that came before it existed."""
+        for sub in self._by_request.get(request_id, ()):
+            if sub.ring is not None:
+                sub.ring.start_fault_in()
 
     def unsubscribe(self, sub: Subscriber) -> None:
         if sub.request_id is None:
@@ -356,6 +365,7 @@ class HiddenPublisher:
                        dtype: str) -> tuple[TensorBytes, TensorBytes]:
         ring = sub.ring
         assert ring is not None
+        await ring.ready()
         out = []
         for parts in (emb, st):
             length = sum(p.nbytes for p in parts)

@@ -7,6 +7,7 @@ neither logged anything at ERROR."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 from hostile import LONE_SURROGATE, HealthWatch, LoggedRig, field, number_of, raw_call
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from stage_harness import make_request
+from stage_harness import StepStream, make_request
 
 from services.contract.llmstage.v1 import orchestrator_pb2 as opb
 from services.contract.llmstage.v1 import stage_pb2 as pb
@@ -284,6 +285,8 @@ def test_shared_memory_subscriptions_stop_at_the_stage_limit(rig: LoggedRig,
         assert refused == [grpc.StatusCode.RESOURCE_EXHAUSTED] * (64 - SHM_RINGS)
         stats = rig.runner.stats()
         held = sum(Path("/dev/shm", r.name).stat().st_size for r in regions)
+        # rings for requests that never started hold their header page, not their size
+        assert all(Path("/dev/shm", r.name).stat().st_blocks * 512 <= 8192 for r in regions)
         assert stats["hidden_shm_rings"] == SHM_RINGS and stats["hidden_shm_bytes"] == held
         assert held <= SHM_RINGS * 2 * 2 * MAX_SEQ * 64 * 4 + SHM_RINGS * 4096  # width 64
     finally:
@@ -291,3 +294,29 @@ def test_shared_memory_subscriptions_stop_at_the_stage_limit(rig: LoggedRig,
             stream.cancel()
     rig.assert_idle()
     assert not any(Path("/dev/shm", r.name).exists() for r in regions)
+
+
+def test_early_shared_memory_ring_is_faulted_in_when_its_request_comes(
+        rig: LoggedRig, watch: HealthWatch) -> None:
+    """A shared-memory subscription opened before its request: its ring takes its pages
+    once the request is admitted, and every window then arrives through it."""
+    sub = rig.stub.Subscribe(pb.SubscribeRequest(
+        request_id="early-shm", port="hidden", transport=pb.TRANSPORT_SHARED_MEMORY), timeout=60)
+    assert next(sub).HasField("subscribed")
+    region = next(sub).region
+    ring = Path("/dev/shm", region.name)
+    assert ring.stat().st_blocks * 512 <= 8192
+    sid = rig.admit_prepare("early-shm", ports=["hidden"], max_tokens=6, ignore_eos=True)
+    deadline = time.monotonic() + 30
+    while ring.stat().st_blocks * 512 < region.size - 8192 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ring.stat().st_blocks * 512 >= region.size - 8192
+    stream = StepStream(rig.stub, [sid], 16)
+    assert len(stream.collect({sid})[sid]["tokens"]) == 6
+    stream.half_close()
+    rig.stub.Finish(pb.FinishRequest(slot_id=sid), timeout=10)
+    rig.stub.Reset(pb.ResetRequest(slot_id=sid), timeout=10)
+    events = list(sub)
+    windows = [e.hidden for e in events if e.HasField("hidden")]
+    assert len(windows) == 6 and events[-1].HasField("end")
+    assert all(not w.states.data and w.states_shm.length > 0 for w in windows)
