@@ -12,30 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from llm_runner_svc.errors import ResourceExhausted, RunnerError
+from llm_runner_svc.errors import ResourceExhausted
 from llm_runner_svc.stage.hidden_messages import (
-    MAX_INLINE_BYTES_PER_MESSAGE,
-    MAX_STEPS_PER_MESSAGE,
     BatchMessage,
     BlockMessage,
     EndMessage,
     HiddenMessage,
-    PortMessage,
     RegionMessage,
-    StepsMessage,
     TensorBytes,
-    inline_bytes,
     raw,
 )
 from llm_runner_svc.stage.shm_budget import ShmBudget, max_payload_bytes
-from llm_runner_svc.stage.shm_ring import ShmRing
+from llm_runner_svc.stage.subscriber import Subscriber, make_ring
 
 log = logging.getLogger(__name__)
 
@@ -79,82 +73,6 @@ class _StepBatch:
                              "decode rows")
         self.dtype, self.width = dtype, width
         self.rows.extend(cols)
-
-
-@dataclass
-class Subscriber:
-    request_id: str | None  # None = every request
-    policy: str
-    buffer: int
-    ring: ShmRing | None = None
-    is_closed: bool = False
-    error: RunnerError | None = None
-    _items: deque[PortMessage] = field(default_factory=deque)
-    _cond: asyncio.Condition = field(default_factory=asyncio.Condition)
-
-    async def put(self, item: PortMessage) -> None:
-        async with self._cond:
-            if len(self._items) >= self.buffer and not self.is_closed:
-                if self.policy == "disconnect":
-                    self._close(ResourceExhausted(
-                        f"subscriber fell behind: {len(self._items)} messages unread (buffer "
-                        f"{self.buffer}, policy disconnect)"))
-                    return
-                await self._cond.wait_for(lambda: len(self._items) < self.buffer
-                                          or self.is_closed)
-            if not self.is_closed:
-                self._items.append(item)
-                self._cond.notify_all()
-
-    async def get(self) -> PortMessage | None:
-        """The next message; None once closed and drained. Raises the closing error.
-        Step batches that are already waiting come out together as one StepsMessage (up to
-        MAX_STEPS_PER_MESSAGE steps and MAX_INLINE_BYTES_PER_MESSAGE tensor bytes), so a
-        reader that lags pays the per-message cost once per backlog, not once per step."""
-        async with self._cond:
-            await self._cond.wait_for(lambda: bool(self._items) or self.is_closed)
-            if self._items:
-                item = self._items.popleft()
-                if isinstance(item, BatchMessage) and self._items:
-                    item = self._take_backlog(item)
-                self._cond.notify_all()
-                return item
-        if self.error is not None:
-            raise self.error
-        return None
-
-    async def close(self, error: RunnerError | None = None) -> None:
-        async with self._cond:
-            self._close(error)
-
-    def _take_backlog(self, first: BatchMessage) -> BatchMessage | StepsMessage:
-        steps, size = [first], inline_bytes(first)
-        while self._items and len(steps) < MAX_STEPS_PER_MESSAGE:
-            nxt = self._items[0]
-            if not isinstance(nxt, BatchMessage):
-                break
-            size += inline_bytes(nxt)
-            if size > MAX_INLINE_BYTES_PER_MESSAGE:
-                break
-            steps.append(nxt)
-            self._items.popleft()
-        return first if len(steps) == 1 else StepsMessage(tuple(steps))
-
-    def _close(self, error: RunnerError | None) -> None:
-        if not self.is_closed:
-            self.is_closed = True
-            self.error = error
-            self._cond.notify_all()
-
-
-async def _make_ring(capacity: int, is_faulted_in: bool) -> ShmRing:
-    made = asyncio.get_running_loop().run_in_executor(None, ShmRing, capacity, is_faulted_in)
-    try:
-        return await asyncio.shield(made)
-    except asyncio.CancelledError:  # the caller left: the ring, once made, is not leaked
-        made.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None
-                               else f.result().close())
-        raise
 
 
 class HiddenPublisher:
@@ -229,7 +147,7 @@ class HiddenPublisher:
         if use_shm:
             self.shm.reserve()
             try:
-                ring = await _make_ring(self.shm.ring_bytes,
+                ring = await make_ring(self.shm.ring_bytes,
                                         is_started or request_id is None)
             except BaseException:
                 self.shm.release()
