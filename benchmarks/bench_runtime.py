@@ -9,7 +9,12 @@ For each model and batch size: prefill tokens/s (every request's prompt), decode
     widths, i.e. the fixed Python and per-call cost of issuing the numpy ops.
 "Python outside numpy" is runtime + dispatch, as a share of the step.
 
+With --stall: while 4 requests decode, a 1,024-token prompt joins; prints the longest step
+against the median decode step before it, with the whole prompt in one step (an unlimited
+token budget, the behaviour before chunked prefill) and with each budget of --budgets.
+
 Usage: python benchmarks/bench_runtime.py [--models stories260K,smollm2] [--batches 1,8,32]
+       python benchmarks/bench_runtime.py --stall --models smollm2 [--budgets 16,32] [--cpu-clock]
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import os
 import platform
 import time
+from collections.abc import Callable
 
 import llm_runner_svc  # noqa: F401  (first: its BLAS settings apply before numpy loads)
 
@@ -37,6 +43,9 @@ from llm_runner_svc.runtime import (
 
 PROMPT_LEN = 64
 DECODE_STEPS = 24
+STALL_DECODERS = 4
+STALL_PROMPT = 1024
+UNLIMITED = 1 << 30
 
 
 def toy_like(cfg: ModelConfig) -> tuple[ModelConfig, ModelWeights]:
@@ -54,7 +63,8 @@ def toy_like(cfg: ModelConfig) -> tuple[ModelConfig, ModelWeights]:
 def bench(model: Model, batch: int) -> dict[str, float]:
     max_seq = PROMPT_LEN + DECODE_STEPS + 8
     rt = InferenceRuntime(create_engine("numpy", model.config, model.weights), model.tokenizer,
-                          RuntimeConfig(max_batch=batch, max_seq=max_seq, prefill_chunk=128))
+                          RuntimeConfig(max_batch=batch, max_seq=max_seq, prefill_chunk=128,
+                                        max_tokens_per_step=UNLIMITED))
     rt.preallocate()
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
@@ -63,7 +73,8 @@ def bench(model: Model, batch: int) -> dict[str, float]:
         rt.submit(GenerationRequest(f"b{i}", prompt, SamplingParams(0.8, 50, 0.9, 10_000, seed=i),
                                     ignore_eos=True))
     t0 = time.perf_counter()
-    rt.step()  # every request prefills here
+    while any(not ev.token_ids for ev in rt.step()):  # until every request has its first token
+        pass
     prefill_s = time.perf_counter() - t0
     rt.step()  # warm-up decode
     t0 = time.perf_counter()
@@ -110,11 +121,73 @@ def engine_step_time(rt: InferenceRuntime, batch: int, steps: int = 10) -> float
     return elapsed
 
 
+def stall(model: Model, budget: int, clock: Callable[[], float]) -> dict[str, float]:
+    """Step times while STALL_DECODERS requests decode and a STALL_PROMPT-token prompt joins:
+    the median decode step before the join, and the longest step until its first token.
+    `clock`: wall time, or the stepping thread's CPU time (steady on a loaded machine)."""
+    rt = InferenceRuntime(create_engine("numpy", model.config, model.weights), model.tokenizer,
+                          RuntimeConfig(max_batch=STALL_DECODERS + 1,
+                                        max_seq=STALL_PROMPT + 256, max_tokens_per_step=budget))
+    rt.preallocate()
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    for i in range(STALL_DECODERS):
+        rt.submit(GenerationRequest(f"d{i}", rng.integers(3, vocab, 16).tolist(),
+                                    SamplingParams(0.0, 1, 1.0, 10_000), ignore_eos=True))
+    for _ in range(4):  # prefills and warm-up
+        rt.step()
+    before = []
+    for _ in range(DECODE_STEPS):
+        t0 = clock()
+        rt.step()
+        before.append(clock() - t0)
+    rt.submit(GenerationRequest("long", rng.integers(3, vocab, STALL_PROMPT).tolist(),
+                                SamplingParams(0.0, 1, 1.0, 4), ignore_eos=True))
+    during, first = [], False
+    while not first:
+        t0 = clock()
+        events = rt.step()
+        during.append(clock() - t0)
+        first = any(ev.request_id == "long" and ev.token_ids for ev in events)
+    rt.close()
+    median = float(np.median(before))
+    print("  longest steps ms:", [round(x * 1e3) for x in sorted(during)[-4:]],
+          "at", sorted(range(len(during)), key=during.__getitem__)[-4:])
+    return {"median_ms": median * 1e3, "longest_ms": max(during) * 1e3,
+            "ratio": max(during) / median, "steps": len(during),
+            "ttft_ms": sum(during) * 1e3}
+
+
+def main_stall(models: list[str], budgets: list[int], cpu_clock: bool) -> None:
+    clock = time.thread_time if cpu_clock else time.perf_counter
+    print(f"{STALL_DECODERS} requests decoding, a {STALL_PROMPT}-token prompt joins; "
+          f"{'CPU time of the stepping thread' if cpu_clock else 'wall time'}, "
+          f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '(auto)')}")
+    print(f"{'model':<12} {'tokens/step':>11} {'median decode ms':>16} {'longest step ms':>15} "
+          f"{'ratio':>6} {'steps to 1st token':>18} {'TTFT ms':>8}")
+    for name in models:
+        model = load_model(name)
+        for budget in [UNLIMITED, *budgets]:
+            r = stall(model, budget, clock)
+            label = "unlimited" if budget == UNLIMITED else str(budget)
+            print(f"{name:<12} {label:>11} {r['median_ms']:>16.1f} {r['longest_ms']:>15.1f} "
+                  f"{r['ratio']:>6.1f} {r['steps']:>18.0f} {r['ttft_ms']:>8.0f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="stories260K,smollm2")
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--stall", action="store_true", help="the join-stall measurement")
+    ap.add_argument("--budgets", default="16,32", help="tokens per step for --stall")
+    ap.add_argument("--cpu-clock", action="store_true",
+                    help="--stall times the stepping thread's CPU time (a loaded machine; run "
+                         "with OPENBLAS_NUM_THREADS=1 so BLAS works on that thread)")
     args = ap.parse_args()
+    if args.stall:
+        main_stall(args.models.split(","), [int(x) for x in args.budgets.split(",")],
+                   args.cpu_clock)
+        return
     print(f"machine: {platform.machine()} cpus={os.cpu_count()} "
           f"python={platform.python_version()} numpy={np.__version__} "
           f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(auto)')}")

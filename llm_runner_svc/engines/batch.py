@@ -1,9 +1,10 @@
 """What one step asks of an engine: a batch of variable-length rows, and what comes back.
 
 A row is one request's part of a step: a prefill chunk (several prompt tokens), a decode
-(one token), or the tokens a preempted request recomputes. Every row ends with its last
-position's logits in the engine's logits row of the same index; a row with a `sample` spec
-also gets a pick from them. Pure Python: the runtime builds batches without a tensor library.
+(one token), or the tokens a preempted request recomputes. A row with a `sample` spec ends
+with its last position's logits in the engine's logits row of the same index and a pick from
+them; with `Batch.keep_logits`, every row's last logits are left there. Pure Python: the
+runtime builds batches without a tensor library.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Batch:
     """The rows of one forward, at most one per request."""
 
     rows: Sequence[Row]
+    keep_logits: bool = False  # logits for rows without a pick too (single-request calls)
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +96,8 @@ class Segment:
     tokens: list[int]
     start: int  # position of the first token
     pages: Sequence[int]
-    is_last: bool  # the row ends here: its logits go to logits row `row`
+    is_last: bool  # the row ends here
+    wants_logits: bool  # its last token's logits go to logits row `row`
 
 
 @dataclass
@@ -125,8 +128,9 @@ def split_passes(batch: Batch, tokens: list[list[int]], max_tokens: int,
                 passes.append(Pass(current, capture))
                 current, used, capture = [], 0, False
             n = min(len(toks) - lo, max_tokens - used, max_segment)
+            is_last = lo + n == len(toks)
             current.append(Segment(i, used, toks[lo:lo + n], row.start + lo, row.pages,
-                                   lo + n == len(toks)))
+                                   is_last, is_last and (batch.keep_logits or bool(row.sample))))
             capture = capture or row.capture_hidden
             used += n
             lo += n

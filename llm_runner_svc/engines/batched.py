@@ -39,8 +39,8 @@ class BatchedEngine(Engine):
     @abstractmethod
     def _run(self, p: Pass) -> tuple[np.ndarray, np.ndarray] | None:
         """Run the pass: write every token's KV into its row's pages, leave the last token's
-        logits of each segment with `is_last` in logits row `segment.row`. When `p.capture`,
-        return the layer-0 and hidden-layer states [pass tokens, hidden], in pass order
+        logits of each segment with `wants_logits` in logits row `segment.row`. When
+        `p.capture`, return the layer-0 and hidden-layer states [pass tokens, hidden], in pass order
         (valid until the next pass)."""
 
     def _checked_plan(self) -> EnginePlan:
@@ -83,11 +83,11 @@ class BatchedEngine(Engine):
     def prefill(self, token_ids: Sequence[int], start_pos: int, page_table: Sequence[int],
                 capture_hidden: bool = False) -> HiddenStates | None:
         row = Row(tuple(token_ids), start_pos, tuple(page_table), capture_hidden=capture_hidden)
-        return self.launch(Batch((row,))).hidden[0]
+        return self.launch(Batch((row,), keep_logits=True)).hidden[0]
 
     def decode(self, rows: Sequence[DecodeRow]) -> list[HiddenStates | None]:
         batch = Batch(tuple(Row((r.token_id,), r.position, tuple(r.page_table),
-                                capture_hidden=r.capture_hidden) for r in rows))
+                                capture_hidden=r.capture_hidden) for r in rows), keep_logits=True)
         return list(self.launch(batch).hidden)
 
     def sample(self, specs: Sequence[SampleSpec]) -> list[int]:

@@ -108,7 +108,8 @@ class GraphEngine(BatchedEngine):
             feeds.update(self._kv.past_feeds(rows[None, :first]))
             out = executor.run(feeds, "prefill")
             self._kv.write_new(out, rows[None, first:])
-            self._logits[s.row] = out[sig.LOGITS][0]
+            if s.wants_logits:
+                self._logits[s.row] = out[sig.LOGITS][0]
             if caps is not None:
                 span = slice(s.offset, s.offset + len(s.tokens))
                 caps[0][span], caps[1][span] = out[sig.HIDDEN_EMBED][0], out[sig.HIDDEN_STATE][0]

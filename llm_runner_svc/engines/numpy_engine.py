@@ -176,8 +176,8 @@ class NumpyEngine(BatchedEngine):
 
         self._run_layers(n, pos, attend, caps is not None)
         at = np.cumsum([0] + [len(s.tokens) for s in segs])  # each segment's first row
-        last = [int(at[i + 1]) - 1 for i, s in enumerate(segs) if s.is_last]
-        out = [s.row for s in segs if s.is_last]
+        last = [int(at[i + 1]) - 1 for i, s in enumerate(segs) if s.wants_logits]
+        out = [s.row for s in segs if s.wants_logits]
         k = len(last)
         if last == out == list(range(k)):  # a plain decode: rows in place, no copies
             rms_norm(self._x[:k], self._final_norm, self.config.rms_eps, out=self._h[:k])

@@ -174,6 +174,15 @@ class TorchEngine(Engine):
     def memory_bytes(self) -> int:
         return self._bytes
 
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.config.num_layers * self.config.kv_dim * self.dtype.itemsize
+
+    def free_device_bytes(self) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free)
+
     def _need_plan(self) -> EnginePlan:
         if self._plan is None:
             raise FailedPrecondition("engine used before preallocate()")
