@@ -133,6 +133,8 @@ class SequenceAdvance:
         for seq in seqs:
             seq.latch(FinishReason.ERROR, msg)
             self._finish(seq, self._event(events, seq))
+        if self.scheduler.cache is not None:
+            self.scheduler.cache.clear()  # pages named for the failed forward may be unwritten
 
     def _accept(self, seq: SequenceState, token: int, ev: StepEvent, end: int) -> None:
         """Take a sampled token: end on EOS, stop string or length, else stream it."""

@@ -22,12 +22,15 @@ class RuntimeConfig:
     max_waiting: int = 256  # requests queued for a free batch row before refusing
     hidden_layer: int | None = None  # accept_hidden_layer; None = no hidden-state capture
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    prefix_cache: bool = False  # reuse the KV of cached prefixes (context_cache.enable_reuse)
+    prefix_cache_records: int = 0  # pages the cache names at most; 0 = only the pool bounds
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "page_size", "prefill_chunk", "max_waiting"):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_seq", "max_tokens_per_step", "kv_memory_bytes"):
+        for name in ("max_seq", "max_tokens_per_step", "kv_memory_bytes",
+                     "prefix_cache_records"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.kv_memory_fraction < 1.0:

@@ -29,6 +29,8 @@ class GenerationRequest:
     capture_hidden: bool = False
     ignore_eos: bool = False
     label: str = ""  # the caller's own name for the request (a stage: its client's id)
+    cache_lookup: bool = True  # reuse a cached prefix (when the runtime caches prefixes)
+    cache_generated: bool = True  # name the pages of generated tokens too, not only the prompt
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -47,6 +49,8 @@ class RequestMetrics:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     ttft_ms: float = 0.0
+    cached_tokens: int = 0  # prompt positions reused from the prefix cache
+    prefilled_tokens: int = 0  # positions computed by prefill rows (recomputes included)
 
     @property
     def tokens_per_s(self) -> float:
@@ -61,6 +65,7 @@ class RequestMetrics:
             "queue_ms": round(self.queue_ms, 3), "prefill_ms": round(self.prefill_ms, 3),
             "decode_ms": round(self.decode_ms, 3), "ttft_ms": round(self.ttft_ms, 3),
             "tokens_per_s": round(self.tokens_per_s, 2),
+            "cached_tokens": self.cached_tokens, "prefilled_tokens": self.prefilled_tokens,
         }
 
 
@@ -117,6 +122,8 @@ class SequenceState:
         self.t_first_token = 0.0
         self.t_scheduled = 0.0  # first time a row of it was launched
         self.greedy_spec: SampleSpec | None = None  # set by the first greedy pick
+        self.cache_done = 0  # leading pages named in the prefix cache (or reused from it)
+        self.cache_parent = b""  # the name of page cache_done - 1
 
     def latch(self, reason: FinishReason, error: str | None = None) -> bool:
         """Record why the request ends; only the first reason sticks."""

@@ -27,6 +27,7 @@ from llm_runner_svc.models.tokenizer import StreamDecoder, Tokenizer
 from llm_runner_svc.runtime.advance import Flight, SequenceAdvance
 from llm_runner_svc.runtime.config import RuntimeConfig
 from llm_runner_svc.runtime.kv import PagePool
+from llm_runner_svc.runtime.prefix_cache import PrefixCache
 from llm_runner_svc.runtime.request import (
     FinishReason,
     GenerationRequest,
@@ -52,7 +53,11 @@ class InferenceRuntime(SequenceAdvance):
             num_pages=self._pool_pages(), prefill_chunk=config.prefill_chunk,
             hidden_layer=config.hidden_layer)
         self.pages = PagePool(self.plan.num_pages, config.page_size)
-        self.scheduler = Scheduler(self.pages, config.max_batch, self.step_tokens, self.max_seq)
+        self.prefix_cache = PrefixCache(
+            self.pages, f"{engine.name}|{engine.config!r}|{config.page_size}",
+            config.prefix_cache_records) if config.prefix_cache else None
+        self.scheduler = Scheduler(self.pages, config.max_batch, self.step_tokens, self.max_seq,
+                                   self.prefix_cache)
         self._eos = frozenset(engine.config.eos_ids) | frozenset(tokenizer.eos_ids)
         self._lock = threading.Lock()
         self._seqs: dict[str, SequenceState] = {}
@@ -93,6 +98,11 @@ class InferenceRuntime(SequenceAdvance):
             self._flight = None
         self.engine.close()
         self._is_ready = False
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix: idle pages are free again. Same thread as `step()`."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     # ---- admission -------------------------------------------------------------------
     @property

@@ -17,6 +17,10 @@ A long prompt is thus spread over several steps beside the decodes (chunked pref
 row's last position gets a pick when it is the request's last known token; a decode row may
 feed the pick of the previous forward still on the engine (`Row.from_pick`), which is how
 the runtime launches step n+1 before it reads step n.
+
+With a prefix cache (prefix_cache.py), a request joining with no pages first takes the
+longest cached prefix of its known tokens and prefills only the rest; every planned row
+names the full pages it completes, and a request that ends names its last full pages.
 """
 
 from __future__ import annotations
@@ -26,14 +30,17 @@ from collections.abc import Set
 
 from llm_runner_svc.engines.batch import Row
 from llm_runner_svc.runtime.kv import PagePool
+from llm_runner_svc.runtime.prefix_cache import PrefixCache
 from llm_runner_svc.runtime.request import SeqStatus, SequenceState
 
 Planned = list[tuple[SequenceState, Row]]
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_batch: int, max_tokens: int, max_seq: int) -> None:
+    def __init__(self, pool: PagePool, max_batch: int, max_tokens: int, max_seq: int,
+                 cache: PrefixCache | None = None) -> None:
         self.pool = pool
+        self.cache = cache
         self.max_batch = max_batch
         self.max_tokens = max_tokens
         self.max_seq = max_seq
@@ -53,6 +60,7 @@ class Scheduler:
         elif seq.status is not SeqStatus.FINISHED:
             self.running.remove(seq)
         seq.status = SeqStatus.FINISHED
+        self._commit(seq, self.launches)
         self.pool.release(seq.pages)
 
     def clear(self) -> None:
@@ -60,6 +68,8 @@ class Scheduler:
             self.pool.release(seq.pages)
         self.running.clear()
         self.waiting.clear()
+        if self.cache is not None:
+            self.cache.clear()
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self, held: Set[str] = frozenset()) -> Planned:
@@ -104,6 +114,7 @@ class Scheduler:
             self.preempt(seq)
             return 0
         self._plan_row(seq, plan, tokens, from_pick, pick=True)
+        self._commit(seq, self.launches + 1)
         return 1
 
     def _chunk(self, seq: SequenceState, budget: int, plan: Planned) -> int:
@@ -116,6 +127,8 @@ class Scheduler:
         self._grow(seq, seq.computed + n, plan)
         tokens = tuple(seq.known[seq.computed:seq.computed + n])
         self._plan_row(seq, plan, tokens, None, pick=seq.computed + n == len(seq.known))
+        seq.metrics.prefilled_tokens += n
+        self._commit(seq, self.launches + 1)
         return n
 
     def _admit(self, budget: int, held: Set[str], plan: Planned) -> int:
@@ -126,19 +139,45 @@ class Scheduler:
                 break
             if seq.pending or not self._may_step(seq, held):
                 continue
-            n = min(len(seq.known), budget)
+            self._reuse(seq)
+            n = min(len(seq.known) - seq.computed, budget)
             decoding = sum(1 for s in self.running if s.status is SeqStatus.DECODING)
-            if self.pool.pages_for(n) + decoding > self.pool.num_free:
+            if self.pool.pages_for(seq.computed + n) - len(seq.pages) + decoding > \
+                    self.pool.num_free:
+                self.pool.release(seq.pages)
+                seq.computed = seq.cache_done = 0
                 break
             self.waiting.remove(seq)
+            if self.cache is not None:
+                self.cache.count(seq.computed)
             if seq.status is SeqStatus.WAITING:
                 self._admitted += 1
                 seq.order = self._admitted
+                seq.metrics.cached_tokens = seq.computed
             seq.status = SeqStatus.PREFILLING
             self.running.append(seq)
             self.running.sort(key=lambda s: s.order)
             budget -= self._chunk(seq, n, plan)
         return budget
+
+    def _reuse(self, seq: SequenceState) -> None:
+        """A joining request holds the longest cached prefix of its known tokens (unless it
+        bypasses the cache, or captures hidden states the cache does not keep)."""
+        if self.cache is None or not seq.req.cache_lookup or seq.req.capture_hidden:
+            return
+        seq.pages, seq.cache_parent = self.cache.match(seq.known, self.launches)
+        seq.cache_done = len(seq.pages)
+        seq.computed = seq.cache_done * self.pool.page_size
+
+    def _commit(self, seq: SequenceState, launch: int) -> None:
+        """Name the full pages of `seq` whose tokens are known and computed."""
+        if self.cache is None:
+            return
+        upto = min(seq.computed, len(seq.known))
+        if not seq.req.cache_generated:
+            upto = min(upto, len(seq.req.prompt_ids))
+        seq.cache_done, seq.cache_parent = self.cache.commit(
+            seq.known, seq.pages, seq.cache_done, seq.cache_parent, upto, launch)
 
     def _plan_row(self, seq: SequenceState, plan: Planned, tokens: tuple[int, ...],
                   from_pick: int | None, pick: bool) -> None:
@@ -171,7 +210,7 @@ class Scheduler:
         known tokens when it joins again (a pick still in flight is accepted as usual)."""
         self.running.remove(seq)
         self.pool.release(seq.pages)
-        seq.computed = 0
+        seq.computed = seq.cache_done = 0
         seq.status = SeqStatus.PREEMPTED
         seq.pick_launch = -1
         self.waiting.appendleft(seq)

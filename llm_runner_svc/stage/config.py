@@ -66,6 +66,8 @@ class StageConfig:
     max_tokens_per_step: int = 0  # decode rows + prefill chunks per step (0 = engine default)
     kv_memory_bytes: int = 0  # KV pool on the host (0 = maxBatch requests of maxSeq)
     kv_memory_fraction: float = 0.0  # KV pool on a GPU: share of free memory (0 = by bytes)
+    prefix_cache: bool = False  # config.context_cache.enable_reuse
+    prefix_cache_records: int = 0  # config.context_cache.max_records (0 = the pool bounds)
 
     engine_dir: str = ""  # a build-engine directory the engine loads its plan from
     runtime_cache: str = ""  # the tensorrt engine's runtime cache file (read at start, saved)
@@ -189,7 +191,9 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
         max_tokens_per_step=_typed(raw, "maxTokensPerStep", int, 0),
         kv_memory_bytes=_typed(raw, "kvMemoryBytes", int, 0),
         kv_memory_fraction=_typed(raw, "kvMemoryFraction", float, 0.0),
-        device=_typed(raw, "device", str, ""))
+        device=_typed(raw, "device", str, ""),
+        prefix_cache=bool(cfg.get("context_cache", {}).get("enable_reuse", False)),
+        prefix_cache_records=cfg.get("context_cache", {}).get("max_records", 0))
 
 
 def _parse_runner_keys(cfg: Mapping[str, Any]) -> tuple[int, SamplingDefaults, str]:

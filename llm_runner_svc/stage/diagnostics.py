@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from llm_runner_svc.runtime.prefix_cache import PrefixCache
 from llm_runner_svc.stage.admission import is_queued, tokens_in_flight
 from llm_runner_svc.stage.config import StageConfig
 from services.stage.slot import Slot
@@ -21,7 +22,9 @@ def slot_diagnostics(slot: Slot, config: StageConfig) -> dict[str, Any]:
         "finish_reason": run.ended.value if run.ended else None,
         "tokens_in": len(slot.admitted),
         "tokens_out": len(run.output_ids),
-        "prefix_cache_hits": 0,
+        "prefix_cache_hits": int(bool(run.metrics and run.metrics.cached_tokens)),
+        "cached_tokens": run.metrics.cached_tokens if run.metrics else 0,
+        "prefilled_tokens": run.metrics.prefilled_tokens if run.metrics else 0,
         "engine": config.engine,
         "admit_ms": round(tel.admit_ms, 3),
         "prepare_ms": round(tel.prepare_ms, 3),
@@ -66,6 +69,10 @@ class StageSnapshot:
     hidden_shm_rings: int  # shared-memory rings the port holds
     hidden_shm_bytes: int  # and their bytes (of /dev/shm)
     admitting: int  # Admits still tokenizing
+    prefix_cache_hits: int = 0  # requests that reused a cached prefix, since start
+    prefix_cache_hit_tokens: int = 0  # positions they reused
+    prefix_cache_pages: int = 0  # pages the prefix cache names (held or idle)
+    prefix_cache_evictions: int = 0  # named pages taken back for new requests, since start
 
     @classmethod
     def build(cls, core: CoreSnapshot, config: StageConfig, slots: Sequence[Slot], *,
@@ -75,6 +82,15 @@ class StageSnapshot:
                    tokens_in_flight=tokens_in_flight(config, max_seq, slots),
                    max_queued=config.max_queued,
                    max_tokens_in_flight=config.max_tokens_in_flight, **values)
+
+
+def prefix_cache_values(cache: PrefixCache | None) -> dict[str, int]:
+    """The snapshot's prefix-cache fields (zeros without a cache)."""
+    if cache is None:
+        return {}
+    st = cache.stats
+    return {"prefix_cache_hits": st.hits, "prefix_cache_hit_tokens": st.hit_tokens,
+            "prefix_cache_pages": cache.num_pages, "prefix_cache_evictions": st.evictions}
 
 
 def stage_diagnostics(snap: StageSnapshot) -> dict[str, Any]:
@@ -89,6 +105,10 @@ def stage_diagnostics(snap: StageSnapshot) -> dict[str, Any]:
         "hidden_max_lag": snap.hidden_max_lag,
         "hidden_shm_rings": snap.hidden_shm_rings, "hidden_shm_bytes": snap.hidden_shm_bytes,
         "admitting": snap.admitting,
+        "prefix_cache_hits": snap.prefix_cache_hits,
+        "prefix_cache_hit_tokens": snap.prefix_cache_hit_tokens,
+        "prefix_cache_pages": snap.prefix_cache_pages,
+        "prefix_cache_evictions": snap.prefix_cache_evictions,
         "queued": snap.num_queued, "tokens_in_flight": snap.tokens_in_flight,
         "max_queued": snap.max_queued, "max_tokens_in_flight": snap.max_tokens_in_flight,
     }

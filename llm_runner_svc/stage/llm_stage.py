@@ -31,7 +31,12 @@ from llm_runner_svc.stage.admission import (
 )
 from llm_runner_svc.stage.config import StageConfig
 from llm_runner_svc.stage.describe import StageDescription, describe
-from llm_runner_svc.stage.diagnostics import StageSnapshot, slot_diagnostics, stage_diagnostics
+from llm_runner_svc.stage.diagnostics import (
+    StageSnapshot,
+    prefix_cache_values,
+    slot_diagnostics,
+    stage_diagnostics,
+)
 from llm_runner_svc.stage.faults import runtime_factory_from_env
 from llm_runner_svc.stage.limits import RequestSizes
 from llm_runner_svc.stage.metrics import StageMetrics
@@ -81,7 +86,8 @@ class LlmStage(StageCore):
             max_batch=config.max_batch, max_seq=config.max_seq, max_waiting=config.max_waiting,
             hidden_layer=hidden, sampling=config.sampling,
             max_tokens_per_step=config.max_tokens_per_step,
-            kv_memory_bytes=config.kv_memory_bytes, kv_memory_fraction=config.kv_memory_fraction)
+            kv_memory_bytes=config.kv_memory_bytes, kv_memory_fraction=config.kv_memory_fraction,
+            prefix_cache=config.prefix_cache, prefix_cache_records=config.prefix_cache_records)
         factory = runtime_factory or runtime_factory_from_env()
         return cls(config, model, factory(engine, model.tokenizer, rt_config), slot_ttl_s,
                    max_message_bytes)
@@ -190,6 +196,7 @@ class LlmStage(StageCore):
         return StageSnapshot.build(
             self.core_snapshot(), self.config, list(self.slots), max_seq=rt.max_seq,
             kv_pages_total=rt.pages.num_pages, kv_pages_free=rt.pages.num_free,
+            **prefix_cache_values(rt.prefix_cache),
             num_running=rt.num_running, num_waiting=rt.num_waiting,
             hidden_subscriptions=pub.num_subscriptions, hidden_shm_rings=pub.shm.num_rings,
             hidden_shm_bytes=pub.shm.num_bytes, admitting=self.tokenizer.num_pending,

@@ -47,6 +47,14 @@ class StageMetrics:
                 lambda s: s.hidden_max_lag),
             "llmstage_hidden_subscriptions": ("Open hidden-port subscriptions",
                                               lambda s: s.hidden_subscriptions),
+            "llmstage_prefix_cache_hits": ("Requests that reused a cached prefix",
+                                           lambda s: s.prefix_cache_hits),
+            "llmstage_prefix_cache_hit_tokens": ("Prompt positions reused from the cache",
+                                                 lambda s: s.prefix_cache_hit_tokens),
+            "llmstage_prefix_cache_pages": ("KV pages the prefix cache names",
+                                            lambda s: s.prefix_cache_pages),
+            "llmstage_prefix_cache_evictions": ("Cached pages evicted for new requests",
+                                                lambda s: s.prefix_cache_evictions),
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(

@@ -1,0 +1,182 @@
+"""Prefix reuse across requests: a request whose prompt starts with cached full pages shares
+them and prefills only the rest, and produces exactly the tokens it produces without the
+cache. Pages named by the cache survive their requests, are evicted only when idle, and all
+come back once the requests end and the cache is cleared."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import make_runtime
+
+from llm_runner_svc.runtime import GenerationRequest, RuntimeConfig, resolve
+from llm_runner_svc.runtime.kv import PagePool
+from llm_runner_svc.runtime.prefix_cache import PrefixCache
+
+PS = 16
+STORY = ("Once upon a time, there was a little girl named Lily. She liked to play outside in "
+         "the park with her big red ball. One day, she saw a small dog under a tree. The dog "
+         "was sad because it was lost. Lily wanted to help the dog find its home, so she")
+
+
+def _req(ids, rid: str, *, lookup: bool = True, **sampling) -> GenerationRequest:
+    sp = dict(temperature=0.0, max_new_tokens=12)
+    sp.update(sampling)
+    return GenerationRequest(rid, list(ids), resolve(RuntimeConfig().sampling, **sp),
+                             cache_lookup=lookup)
+
+
+def _run(rt, reqs, cancel_after: dict[str, int] | None = None) -> dict[str, list[int]]:
+    """Submit `reqs` together, step until idle; each request's tokens. A request named in
+    `cancel_after` is cancelled once it has that many tokens."""
+    for r in reqs:
+        rt.submit(r)
+    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    cancel_after = dict(cancel_after or {})
+    for _ in range(5000):
+        if not rt.has_work:
+            return out
+        for ev in rt.step():
+            out[ev.request_id].extend(ev.token_ids)
+            n = cancel_after.get(ev.request_id)
+            if n is not None and len(out[ev.request_id]) >= n:
+                rt.cancel(ev.request_id)
+                del cancel_after[ev.request_id]
+    raise AssertionError("the runtime did not go idle")
+
+
+def _metrics(rt, req) -> dict:
+    rt.submit(req)
+    while rt.has_work:
+        for ev in rt.step():
+            if ev.finish_reason is not None:
+                return ev.metrics.as_dict()
+    raise AssertionError("no finish")
+
+
+@pytest.fixture(scope="module")
+def prompt(stories) -> list[int]:
+    ids = stories.tokenizer.encode(STORY)
+    assert len(ids) > 3 * PS
+    return ids
+
+
+@pytest.fixture(scope="module")
+def baseline(stories):
+    rt = make_runtime(stories, max_batch=4, max_seq=256, page_size=PS)
+    yield lambda reqs: _run(rt, reqs)
+    rt.close()
+
+
+@pytest.fixture
+def cached(stories):
+    rt = make_runtime(stories, max_batch=4, max_seq=256, page_size=PS, prefix_cache=True)
+    yield rt
+    rt.clear_prefix_cache()
+    assert rt.pages.num_free == rt.plan.num_pages and rt.pages.num_idle == 0
+    rt.close()
+
+
+def _variants(prompt: list[int]) -> dict[str, list[int]]:
+    """Second prompts sharing none, part of a page, exactly one page, or all of `prompt`."""
+    return {
+        "none": [prompt[1] + 1] + prompt[1:PS * 2 + 5],
+        "partial_page": prompt[:PS + 7] + [prompt[2]] * 9,
+        "one_page": prompt[:PS] + prompt[PS + 3:PS * 2 + 9],
+        "whole_prompt": list(prompt),
+        "whole_pages": prompt[:PS * 3],
+    }
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, top_p=0.95, seed=7)],
+                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize("kind", ["none", "partial_page", "one_page", "whole_prompt",
+                                  "whole_pages"])
+def test_tokens_match_the_uncached_run(cached, baseline, prompt, kind, sampling):
+    second = _variants(prompt)[kind]
+    want = baseline([_req(second, "b", **sampling)])["b"]
+    first = _metrics(cached, _req(prompt, "a", **sampling))
+    assert first["cached_tokens"] == 0 and first["prefilled_tokens"] == len(prompt)
+    m = _metrics(cached, _req(second, "b", **sampling))
+    shared = {"none": 0, "partial_page": PS, "one_page": PS,  # a page is left to prefill:
+              "whole_prompt": (len(prompt) - 1) // PS * PS, "whole_pages": 2 * PS}[kind]
+    assert m["cached_tokens"] == shared
+    assert m["prefilled_tokens"] == len(second) - shared
+    assert _run(cached, [_req(second, "c", **sampling)])["c"] == want
+
+
+def test_bypass_and_stats(cached, prompt):
+    _run(cached, [_req(prompt, "a")])
+    assert _metrics(cached, _req(prompt, "b", lookup=False))["cached_tokens"] == 0
+    hit = (len(prompt) - 1) // PS * PS
+    assert _metrics(cached, _req(prompt, "c"))["cached_tokens"] == hit
+    st = cached.prefix_cache.stats
+    assert (st.hits, st.hit_tokens) == (1, hit)
+    assert cached.prefix_cache.num_pages >= 3
+
+
+def test_concurrent_requests_sharing_a_prefix(cached, baseline, prompt):
+    reqs = [_req(prompt[:PS * 2 + i * 5] + [prompt[i]], f"r{i}", max_new_tokens=8 + i)
+            for i in range(4)]
+    want = baseline(reqs)
+    assert _run(cached, reqs) == want  # cold: joined together, nothing to share yet
+    assert _run(cached, reqs) == want  # warm: all share the cached pages at once
+    assert cached.prefix_cache.stats.hit_tokens >= 4 * 2 * PS
+
+
+def test_eviction_under_a_small_pool(stories, baseline, prompt):
+    rt = make_runtime(stories, max_batch=2, max_seq=96, page_size=PS, prefix_cache=True)
+    try:
+        assert rt.plan.num_pages == 12
+        reqs = [_req([prompt[i]] + prompt[i + 1:i + 40], f"e{i}") for i in range(6)]
+        for r in reqs:
+            assert _run(rt, [r]) == baseline([r])
+        assert rt.prefix_cache.stats.evictions > 0
+        assert rt.prefix_cache.num_pages <= rt.plan.num_pages
+        assert _run(rt, [reqs[-1]]) == baseline([reqs[-1]])  # the newest is still cached
+        assert rt.prefix_cache.stats.hits >= 1
+        rt.clear_prefix_cache()
+        assert rt.pages.num_free == rt.plan.num_pages and rt.pages.num_idle == 0
+    finally:
+        rt.close()
+
+
+def test_cancel_while_the_prefix_is_shared(cached, baseline, prompt):
+    _run(cached, [_req(prompt, "warm")])
+    reqs = [_req(prompt, "keep", max_new_tokens=20), _req(prompt, "gone", max_new_tokens=20)]
+    want = baseline([reqs[0]])["keep"]
+    got = _run(cached, reqs, cancel_after={"gone": 2})
+    assert got["keep"] == want and len(got["gone"]) < 20
+    assert cached.pages.num_free == cached.plan.num_pages  # idle pages count as free
+    assert cached.pages.num_idle == cached.prefix_cache.num_pages
+
+
+def test_max_records_bounds_the_named_pages(stories, prompt):
+    rt = make_runtime(stories, max_batch=2, max_seq=128, page_size=PS, prefix_cache=True,
+                      prefix_cache_records=2)
+    try:
+        _run(rt, [_req(prompt, "a")])
+        assert rt.prefix_cache.num_pages == 2 and rt.pages.num_idle == 2
+    finally:
+        rt.clear_prefix_cache()
+        rt.close()
+
+
+def test_pool_evicts_only_idle_pages_oldest_first():
+    pool = PagePool(4, 2)
+    cache = PrefixCache(pool, "k")
+    pages = pool.allocate(3)
+    cache.commit([1, 2, 3, 4, 5, 6], pages, 0, b"", 6, 0)
+    assert cache.num_pages == 3
+    pool.release(pages[2:3])
+    pool.release(pages[:1])
+    assert pool.num_free == 3 and pool.num_idle == 2
+    got = pool.allocate(2)  # the free page, then the oldest idle one: the third page
+    assert got == [3, pages[2]] and pool.num_free == 1
+    assert cache.stats.evictions == 1 and cache.num_pages == 2
+    again, _ = cache.match([1, 2, 3, 4, 5, 6, 7], 0)  # the chain ends where it was evicted
+    assert again == pages[:2] and pool.refs(pages[0]) == 1 and pool.refs(pages[1]) == 2
+    assert cache.match([1, 2, 3, 4, 5, 6, 7], -1)[0] == []  # named by a later launch
+    pool.release(again)
+    cache.clear()
+    pool.release([pages[1], *got])
+    assert pool.num_free == 4 and pool.num_idle == 0
