@@ -3,6 +3,9 @@ servicer that touches `*_pb2` objects."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.runtime import FinishReason, RequestMetrics
 from llm_runner_svc.stage import ChatTurn, StageRequest
 from llm_runner_svc.stage.admission import Admission, Refusal
@@ -44,7 +47,20 @@ def request_from_pb(slot_id: int, req_pb: pb.GenerationRequest) -> StageRequest:
         max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
         seed=s.seed if s.HasField("seed") else None,
         stop=tuple(req_pb.stop), logit_bias=dict(req_pb.logit_bias), lora=req_pb.lora,
-        ports=tuple(req_pb.ports), num_media=len(req_pb.media), ignore_eos=req_pb.ignore_eos)
+        ports=tuple(req_pb.ports), num_media=len(req_pb.media), ignore_eos=req_pb.ignore_eos,
+        cache_lookup=_policy(req_pb.context_cache_lookup_policy, pb.CacheLookupPolicy,
+                             pb.CACHE_LOOKUP_POLICY_BYPASS),
+        cache_generated=_policy(req_pb.context_cache_commit_policy, pb.CacheCommitPolicy,
+                                pb.CACHE_COMMIT_POLICY_PREFILL_STATE_ONLY))
+
+
+def _policy(value: int, enum: Any, off: int) -> bool:
+    """A cache policy enum as a flag: False for `off`, True for the others (unspecified
+    included); a value the enum does not define is refused."""
+    if value not in enum.values():
+        raise InvalidArgument(f"{enum.DESCRIPTOR.name} {value} is not defined "
+                              f"(valid: {', '.join(enum.keys())})")
+    return value != off
 
 
 def request_sizes(req_pb: pb.GenerationRequest) -> RequestSizes:

@@ -40,6 +40,8 @@ class StageRequest:
     ports: tuple[str, ...] = ()
     num_media: int = 0
     ignore_eos: bool = False
+    cache_lookup: bool = True  # reuse a cached prefix (context_cache_lookup_policy)
+    cache_generated: bool = True  # commit generated tokens too (context_cache_commit_policy)
 
     def __post_init__(self) -> None:
         given = [n for n in ("text", "messages", "token_ids") if getattr(self, n) is not None]

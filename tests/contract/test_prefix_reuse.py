@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 from google.protobuf.json_format import MessageToDict
 from stage_harness import StageServer
@@ -47,3 +48,17 @@ def test_repeated_prompt_reuses_the_cached_prefix(server: StageServer) -> None:
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
     assert stats["prefix_cache_hits"] >= 1 and stats["prefix_cache_pages"] > 0
     assert stats["prefix_cache_hit_tokens"] >= d2["cached_tokens"]
+
+
+def test_bypass_prefills_the_whole_prompt(server: StageServer) -> None:
+    first, _ = _run(server, 3)
+    again, diag = _run(server, 4, context_cache_lookup_policy=pb.CACHE_LOOKUP_POLICY_BYPASS)
+    assert again == first
+    assert diag["cached_tokens"] == 0 and diag["prefilled_tokens"] == diag["tokens_in"]
+
+
+def test_an_undefined_policy_value_is_invalid(server: StageServer) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        server.admit(5, text=PROMPT, context_cache_commit_policy=7)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "CacheCommitPolicy 7" in (info.value.details() or "")

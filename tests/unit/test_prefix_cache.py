@@ -180,3 +180,14 @@ def test_pool_evicts_only_idle_pages_oldest_first():
     cache.clear()
     pool.release([pages[1], *got])
     assert pool.num_free == 4 and pool.num_idle == 0
+
+
+@pytest.mark.parametrize("generated", [True, False])
+def test_commit_policy_decides_whether_generated_tokens_are_kept(cached, prompt, generated):
+    first = GenerationRequest("a", prompt, resolve(RuntimeConfig().sampling, temperature=0.0,
+                                                   max_new_tokens=40), cache_generated=generated)
+    out = _run(cached, [first])["a"]
+    turn = prompt + out[:-1]
+    m = _metrics(cached, _req(turn, "b"))
+    kept = (len(turn) - 1) // PS if generated else len(prompt) // PS
+    assert m["cached_tokens"] == kept * PS

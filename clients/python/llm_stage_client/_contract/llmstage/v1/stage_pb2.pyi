@@ -38,6 +38,18 @@ class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REFUSAL_TOKEN_OUT_OF_VOCAB: _ClassVar[Refusal]
     REFUSAL_NO_CHAT_TEMPLATE: _ClassVar[Refusal]
 
+class CacheLookupPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CACHE_LOOKUP_POLICY_UNSPECIFIED: _ClassVar[CacheLookupPolicy]
+    CACHE_LOOKUP_POLICY_USE_CACHE: _ClassVar[CacheLookupPolicy]
+    CACHE_LOOKUP_POLICY_BYPASS: _ClassVar[CacheLookupPolicy]
+
+class CacheCommitPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CACHE_COMMIT_POLICY_UNSPECIFIED: _ClassVar[CacheCommitPolicy]
+    CACHE_COMMIT_POLICY_INCLUDING_GENERATED_TOKENS: _ClassVar[CacheCommitPolicy]
+    CACHE_COMMIT_POLICY_PREFILL_STATE_ONLY: _ClassVar[CacheCommitPolicy]
+
 class MemberStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MEMBER_STATUS_UNSPECIFIED: _ClassVar[MemberStatus]
@@ -69,6 +81,12 @@ REFUSAL_MEDIA_UNSUPPORTED: Refusal
 REFUSAL_PORT_UNAVAILABLE: Refusal
 REFUSAL_TOKEN_OUT_OF_VOCAB: Refusal
 REFUSAL_NO_CHAT_TEMPLATE: Refusal
+CACHE_LOOKUP_POLICY_UNSPECIFIED: CacheLookupPolicy
+CACHE_LOOKUP_POLICY_USE_CACHE: CacheLookupPolicy
+CACHE_LOOKUP_POLICY_BYPASS: CacheLookupPolicy
+CACHE_COMMIT_POLICY_UNSPECIFIED: CacheCommitPolicy
+CACHE_COMMIT_POLICY_INCLUDING_GENERATED_TOKENS: CacheCommitPolicy
+CACHE_COMMIT_POLICY_PREFILL_STATE_ONLY: CacheCommitPolicy
 MEMBER_STATUS_UNSPECIFIED: MemberStatus
 MEMBER_STATUS_RUNNING: MemberStatus
 MEMBER_STATUS_ENDED: MemberStatus
@@ -191,7 +209,7 @@ class SamplingOverrides(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerationRequest(_message.Message):
-    __slots__ = ("request_id", "text", "messages", "token_ids", "sampling", "stop", "logit_bias", "lora", "ports", "media", "ignore_eos")
+    __slots__ = ("request_id", "text", "messages", "token_ids", "sampling", "stop", "logit_bias", "lora", "ports", "media", "ignore_eos", "context_cache_lookup_policy", "context_cache_commit_policy")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +228,8 @@ class GenerationRequest(_message.Message):
     PORTS_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_CACHE_LOOKUP_POLICY_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_CACHE_COMMIT_POLICY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     messages: ChatMessages
@@ -221,7 +241,9 @@ class GenerationRequest(_message.Message):
     ports: _containers.RepeatedScalarFieldContainer[str]
     media: _containers.RepeatedCompositeFieldContainer[MediaPart]
     ignore_eos: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOverrides, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., lora: _Optional[str] = ..., ports: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[_Union[MediaPart, _Mapping]]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    context_cache_lookup_policy: CacheLookupPolicy
+    context_cache_commit_policy: CacheCommitPolicy
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOverrides, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., lora: _Optional[str] = ..., ports: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[_Union[MediaPart, _Mapping]]] = ..., ignore_eos: _Optional[bool] = ..., context_cache_lookup_policy: _Optional[_Union[CacheLookupPolicy, str]] = ..., context_cache_commit_policy: _Optional[_Union[CacheCommitPolicy, str]] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
     __slots__ = ("slot_id", "request", "traceparent")
