@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llm_runner_svc.engines.batch import (
@@ -208,43 +208,47 @@ def resolve_tokens(batch: Batch, last_picks: Sequence[int | None] | None) -> lis
 
 @dataclass
 class _LegacyStep:
-    picks: list[int | None]  # known at once (prefill rows), or after finish_sample
+    picks: list[int | None]  # a row's pick once known
     hidden: list[HiddenStates | None]
-    decoded: list[int]  # batch rows of the decode whose picks `started` holds
-    started: Any = None
+    decoded: list[int]  # batch rows that ran as the one decode
+    started: list[tuple[list[int], Any]] = field(default_factory=list)  # rows, their picks
     chains: bool = False  # a plain decode of every row: the next may chain on it
 
 
 def _legacy_picks(engine: Engine, step: _LegacyStep) -> list[int | None]:
-    if step.started is not None:
-        for i, tok in zip(step.decoded, engine.finish_sample(step.started), strict=True):
+    for rows, started in step.started:
+        for i, tok in zip(rows, engine.finish_sample(started), strict=True):
             step.picks[i] = tok
-        step.started = None
+    step.started.clear()
     return step.picks
 
 
 def _legacy_launch(engine: Engine, batch: Batch) -> _LegacyStep:
-    """Rows of several tokens (or without a pick) run as prefills, one each, their picks
-    sampled at once; one-token rows with a pick run as one decode whose picks are read later.
-    A batch that repeats the previous plain decode row for row chains on it."""
+    """Rows of several tokens (or without a pick) run as prefills, one each; one-token rows
+    with a pick run as one decode. The decode's picks, and those of the last prefill that
+    picks, are read later (the engine holds two sets of picks in flight); other prefills'
+    picks are taken at once. A batch that repeats the previous plain decode row for row
+    chains on it."""
     rows, last = batch.rows, engine._legacy_last
     n = len(rows)
+    step = _LegacyStep([None] * n, [None] * n, [])
     if (engine.supports_chaining and last is not None and last.chains
-            and last.started is not None and len(last.decoded) == n
+            and len(last.decoded) == n
             and all(r.from_pick == i and r.sample and not r.capture_hidden
                     for i, r in enumerate(rows))):
         engine.decode([DecodeRow(CHAINED, r.start, r.pages) for r in rows])
-        step = _LegacyStep([None] * n, [None] * n, list(range(n)), chains=True)
+        step.decoded, step.chains = list(range(n)), True
     else:
-        picks = _legacy_picks(engine, last) if last is not None else None
-        tokens = resolve_tokens(batch, picks)
-        step = _LegacyStep([None] * n, [None] * n, [])
-        for i, (row, toks) in enumerate(zip(rows, tokens, strict=True)):
-            if row.length == 1 and row.sample is not None:
-                step.decoded.append(i)
-                continue
-            step.hidden[i] = engine.prefill(toks, row.start, row.pages, row.capture_hidden)
-            if row.sample is not None:
+        tokens = resolve_tokens(batch, _legacy_picks(engine, last) if last else None)
+        step.decoded = [i for i, r in enumerate(rows) if r.length == 1 and r.sample]
+        prefills = [i for i, r in enumerate(rows) if not (r.length == 1 and r.sample)]
+        later = [i for i in prefills if rows[i].sample][-1:]  # run last, read later
+        for i in [i for i in prefills if i not in later] + later:
+            row = rows[i]
+            step.hidden[i] = engine.prefill(tokens[i], row.start, row.pages, row.capture_hidden)
+            if row.sample is not None and i in later:
+                step.started.append(([i], engine.start_sample([row.sample])))
+            elif row.sample is not None:
                 step.picks[i] = engine.sample([row.sample])[0]
         if step.decoded:
             hidden = engine.decode([DecodeRow(tokens[i][0], rows[i].start, rows[i].pages,
@@ -252,7 +256,8 @@ def _legacy_launch(engine: Engine, batch: Batch) -> _LegacyStep:
             for i, hs in zip(step.decoded, hidden, strict=True):
                 step.hidden[i] = hs
         step.chains = len(step.decoded) == n and not any(r.capture_hidden for r in rows)
-    specs = [rows[i].sample for i in step.decoded]
-    step.started = engine.start_sample(specs) if specs else None  # type: ignore[arg-type]
+    if step.decoded:
+        specs = [rows[i].sample for i in step.decoded]
+        step.started.append((step.decoded, engine.start_sample(specs)))  # type: ignore[arg-type]
     engine._legacy_last = step
     return step

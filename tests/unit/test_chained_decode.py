@@ -129,3 +129,30 @@ def test_a_chained_decode_takes_the_previous_rows_only(stories):
     with pytest.raises(FailedPrecondition, match="chained"):
         eng.decode([DecodeRow(CHAINED, 4, [0]), DecodeRow(CHAINED, 4, [1])])
     eng.close()
+
+
+def test_chunked_prefill_and_preemption_on_the_adapter_give_the_plain_outputs(stories):
+    """The torch engine through the adapter: prompts in 5-token chunks beside chained
+    decodes, and a pool too small for every request at once."""
+    def run(chunked: bool) -> tuple[dict, int, int]:
+        eng = create_engine("torch", stories.config, stories.weights, device="cpu")
+        cfg = RuntimeConfig(max_batch=3, max_seq=256)
+        if chunked:  # three requests of 4 pages each in a pool of 6
+            cfg = RuntimeConfig(max_batch=3, max_seq=256, max_tokens_per_step=5,
+                                kv_memory_bytes=6 * 16 * eng.kv_bytes_per_token())
+        rt = InferenceRuntime(eng, stories.tokenizer, cfg)
+        rt.preallocate()
+        counting = Counting(eng)
+        for i, sp in enumerate([dict(temperature=0.0), dict(temperature=0.9, seed=7),
+                                dict(temperature=0.8, top_p=0.9, seed=3)]):
+            rt.submit(GenerationRequest(f"q{i}", [1, 300 + i, 40 + i, 7, 9 + i, 11, 13], resolve(
+                rt.config.sampling, max_new_tokens=56, **sp), ignore_eos=True))
+        out = drain(rt)
+        assert rt.pages.num_free == rt.plan.num_pages
+        rt.close()
+        return out, rt.scheduler.preemptions, counting.chained
+
+    plain, _, _ = run(chunked=False)
+    chunked, preemptions, chained = run(chunked=True)
+    assert preemptions > 0 and chained > 0
+    assert chunked == plain
