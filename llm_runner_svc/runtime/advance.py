@@ -108,13 +108,11 @@ class SequenceAdvance:
         """One row's results: states of positions not delivered before (a recompute after a
         preemption repeats some), then the pick, from a row that ended at `end`."""
         ev = self._event(events, seq)
-        if hs is not None and end > seq.hidden_upto:
-            skip = max(0, seq.hidden_upto - hs.start_position)
-            if skip:
-                hs = HiddenStates(hs.embeddings[skip:], hs.states[skip:],
-                                  hs.start_position + skip)
-            ev.hidden.append(hs)
-            seq.hidden_upto = end
+        reused, seq.reused_hidden = seq.reused_hidden, []
+        for piece in reused:  # states of a reused prefix, kept by the cache
+            self._states(seq, piece, piece.start_position + len(piece.states), ev)
+        if hs is not None:
+            self._states(seq, hs, end, ev)
         if pick is None:
             return
         if not seq.t_first_token:
@@ -124,6 +122,17 @@ class SequenceAdvance:
         self._accept(seq, pick, ev, end)
         if seq.finish_reason is not None:
             self._finish(seq, ev)
+
+    def _states(self, seq: SequenceState, hs: HiddenStates, end: int, ev: StepEvent) -> None:
+        """Deliver the states of positions up to `end` not delivered before."""
+        if end <= seq.hidden_upto:
+            return
+        skip = max(0, seq.hidden_upto - hs.start_position)
+        if skip:
+            hs = HiddenStates(hs.embeddings[skip:], hs.states[skip:], hs.start_position + skip)
+        ev.hidden.append(hs)
+        seq.hidden_upto = end
+        self.scheduler.keep_hidden(seq, hs)
 
     def _fail(self, seqs: list[SequenceState], exc: Exception,
               events: dict[str, StepEvent]) -> None:

@@ -24,13 +24,14 @@ class RuntimeConfig:
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     prefix_cache: bool = False  # reuse the KV of cached prefixes (context_cache.enable_reuse)
     prefix_cache_records: int = 0  # pages the cache names at most; 0 = only the pool bounds
+    prefix_cache_snapshots: int = 0  # named pages keeping their captured states; 0 = none
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "page_size", "prefill_chunk", "max_waiting"):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_seq", "max_tokens_per_step", "kv_memory_bytes",
-                     "prefix_cache_records"):
+                     "prefix_cache_records", "prefix_cache_snapshots"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.kv_memory_fraction < 1.0:

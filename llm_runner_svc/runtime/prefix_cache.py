@@ -15,6 +15,11 @@ is forgotten, and its page is freed once no request holds it.
 A page named while the batch that writes it is being built must not be read by a row of
 that same batch: every name carries the launch that writes it, and `match` only takes names
 whose launch is before the one being built.
+
+Hidden co-cache: with `max_snapshots` > 0, a named page also keeps the captured states of
+its positions (`attach`, as a request that captures them receives them), up to that many
+pages, least recently used dropped first. A request that captures hidden states only reuses
+pages that kept theirs, and receives them (`pieces`) as if its prefill had produced them.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from llm_runner_svc.engines.batch import HiddenStates
 from llm_runner_svc.runtime.kv import PagePool
 
 
@@ -32,6 +38,7 @@ class _Record:
     page: int
     tokens: tuple[int, ...]
     launch: int  # the launch whose forward writes the page
+    hidden: list[HiddenStates] | None = None  # the page's captured states, in order
 
 
 @dataclass
@@ -40,6 +47,7 @@ class CacheStats:
     hits: int = 0  # lookups that reused at least one page
     hit_tokens: int = 0
     evictions: int = 0  # named pages taken back by the pool for new requests
+    hidden_bytes: int = 0  # bytes of the captured states kept beside named pages
 
 
 def page_name(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -50,10 +58,13 @@ def page_name(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 
 class PrefixCache:
-    def __init__(self, pool: PagePool, key: str, max_records: int = 0) -> None:
+    def __init__(self, pool: PagePool, key: str, max_records: int = 0,
+                 max_snapshots: int = 0) -> None:
         self.pool = pool
         self.root = hashlib.blake2b(key.encode(), digest_size=16).digest()
         self.max_records = max_records
+        self.max_snapshots = max_snapshots
+        self._snapshots: OrderedDict[bytes, None] = OrderedDict()  # names keeping states
         self.stats = CacheStats()
         self._names: OrderedDict[bytes, _Record] = OrderedDict()  # least recently used first
         self._by_page: dict[int, bytes] = {}
@@ -64,25 +75,54 @@ class PrefixCache:
         """Pages named by the cache (held by requests or idle)."""
         return len(self._names)
 
-    def match(self, tokens: Sequence[int], launches: int) -> tuple[list[int], bytes]:
+    @property
+    def num_snapshots(self) -> int:
+        """Named pages that keep their captured states."""
+        return len(self._snapshots)
+
+    def match(self, tokens: Sequence[int], launches: int,
+              hidden: bool = False) -> tuple[list[int], list[bytes]]:
         """The pages of the longest cached prefix of `tokens`, each with a new holder, and
-        the name of the last one. At least one token is left out (its logits give the first
-        pick), so a prompt of whole pages reuses all but its last page. Only names written
-        by launches up to `launches` count."""
+        their names. At least one token is left out (its logits give the first pick), so a
+        prompt of whole pages reuses all but its last page. Only names written by launches
+        up to `launches` count; with `hidden`, only pages that keep their states."""
         ps = self.pool.page_size
         pages: list[int] = []
+        names: list[bytes] = []
         name = self.root
         for i in range((len(tokens) - 1) // ps):
             chunk = tuple(tokens[i * ps:(i + 1) * ps])
-            nxt = page_name(name, chunk)
-            rec = self._names.get(nxt)
-            if rec is None or rec.tokens != chunk or rec.launch > launches:
+            name = page_name(name, chunk)
+            rec = self._names.get(name)
+            if rec is None or rec.tokens != chunk or rec.launch > launches or \
+                    (hidden and rec.hidden is None):
                 break
-            self._names.move_to_end(nxt)
+            self._names.move_to_end(name)
             self.pool.revive(rec.page)
             pages.append(rec.page)
-            name = nxt
-        return pages, name
+            names.append(name)
+        return pages, names
+
+    def pieces(self, names: Sequence[bytes]) -> list[HiddenStates]:
+        """The kept states of the pages `names` (each must keep them), in position order."""
+        out: list[HiddenStates] = []
+        for name in names:
+            hidden = self._names[name].hidden
+            assert hidden is not None
+            out += hidden
+        return out
+
+    def attach(self, name: bytes, pieces: list[HiddenStates]) -> None:
+        """Keep `pieces`, the captured states of the page named `name`, beside it (unless it
+        keeps some already, or the name is gone)."""
+        rec = self._names.get(name)
+        if not self.max_snapshots or rec is None or rec.hidden is not None:
+            return
+        rec.hidden = pieces
+        self.stats.hidden_bytes += _nbytes(pieces)
+        self._snapshots[name] = None
+        while len(self._snapshots) > self.max_snapshots:
+            self._drop_hidden(next(iter(self._snapshots)))
 
     def count(self, tokens: int) -> None:
         """Record one admitted lookup that reused `tokens` positions."""
@@ -91,16 +131,16 @@ class PrefixCache:
             self.stats.hits += 1
             self.stats.hit_tokens += tokens
 
-    def commit(self, tokens: Sequence[int], pages: Sequence[int], done: int, parent: bytes,
-               upto: int, launch: int) -> tuple[int, bytes]:
-        """Name the full pages `done` .. of `pages` whose positions are all below `upto`
-        (their KV written by `launch` or earlier), chained after `parent`, the name of page
-        `done - 1`. Returns the new (done, parent). A page whose content is named already
-        (another request's page) stays the request's own."""
+    def commit(self, tokens: Sequence[int], pages: Sequence[int], names: list[bytes],
+               upto: int, launch: int) -> None:
+        """Name the full pages of `pages` past the `names` they have, whose positions are all
+        below `upto` (their KV written by `launch` or earlier); their names are appended to
+        `names`. A page whose content is named already (another request's page) stays the
+        request's own, and `names` holds the existing name."""
         ps = self.pool.page_size
-        if done == 0:
-            parent = self.root
-        while done < min(upto // ps, len(pages)):
+        parent = names[-1] if names else self.root
+        while len(names) < min(upto // ps, len(pages)):
+            done = len(names)
             chunk = tuple(tokens[done * ps:(done + 1) * ps])
             parent = page_name(parent, chunk)
             page = pages[done]
@@ -109,8 +149,7 @@ class PrefixCache:
                 self._by_page[page] = parent
                 self.pool.keep(page)
                 self._bound()
-            done += 1
-        return done, parent
+            names.append(parent)
 
     def clear(self) -> None:
         """Forget every name; idle pages are free again, held ones when released."""
@@ -124,11 +163,37 @@ class PrefixCache:
             self._forget(rec.page)
 
     def _forget(self, page: int) -> None:
-        name = self._by_page.pop(page)
-        del self._names[name]
+        self._drop(page)
         self.pool.unkeep(page)
 
     def _evicted(self, page: int) -> None:
-        name = self._by_page.pop(page)
-        del self._names[name]
+        self._drop(page)
         self.stats.evictions += 1
+
+    def _drop(self, page: int) -> None:
+        name = self._by_page.pop(page)
+        self._drop_hidden(name)
+        del self._names[name]
+
+    def _drop_hidden(self, name: bytes) -> None:
+        rec = self._names[name]
+        if rec.hidden is not None:
+            self.stats.hidden_bytes -= _nbytes(rec.hidden)
+            rec.hidden = None
+            del self._snapshots[name]
+
+
+def _nbytes(pieces: list[HiddenStates]) -> int:
+    return sum(int(p.embeddings.nbytes) + int(p.states.nbytes) for p in pieces)
+
+
+def window(pieces: Sequence[HiddenStates], lo: int, hi: int) -> list[HiddenStates]:
+    """The parts of `pieces` (captured states, each of consecutive positions) that cover
+    positions lo .. hi-1, sliced, in order."""
+    out: list[HiddenStates] = []
+    for hs in pieces:
+        s = hs.start_position
+        a, b = max(lo, s), min(hi, s + len(hs.states))
+        if a < b:
+            out.append(HiddenStates(hs.embeddings[a - s:b - s], hs.states[a - s:b - s], a))
+    return out

@@ -122,8 +122,10 @@ class SequenceState:
         self.t_first_token = 0.0
         self.t_scheduled = 0.0  # first time a row of it was launched
         self.greedy_spec: SampleSpec | None = None  # set by the first greedy pick
-        self.cache_done = 0  # leading pages named in the prefix cache (or reused from it)
-        self.cache_parent = b""  # the name of page cache_done - 1
+        self.page_names: list[bytes] = []  # prefix-cache names of the leading full pages
+        self.reused_hidden: list[HiddenStates] = []  # kept states of reused pages, to deliver
+        self.kept_rows: list[HiddenStates] = []  # delivered states not yet kept by the cache
+        self.kept_pages = 0  # leading pages whose states the cache was given
 
     def latch(self, reason: FinishReason, error: str | None = None) -> bool:
         """Record why the request ends; only the first reason sticks."""

@@ -55,7 +55,8 @@ class InferenceRuntime(SequenceAdvance):
         self.pages = PagePool(self.plan.num_pages, config.page_size)
         self.prefix_cache = PrefixCache(
             self.pages, f"{engine.name}|{engine.config!r}|{config.page_size}",
-            config.prefix_cache_records) if config.prefix_cache else None
+            config.prefix_cache_records, config.prefix_cache_snapshots) \
+            if config.prefix_cache else None
         self.scheduler = Scheduler(self.pages, config.max_batch, self.step_tokens, self.max_seq,
                                    self.prefix_cache)
         self._eos = frozenset(engine.config.eos_ids) | frozenset(tokenizer.eos_ids)

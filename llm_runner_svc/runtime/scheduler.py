@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Set
 
-from llm_runner_svc.engines.batch import Row
+from llm_runner_svc.engines.batch import HiddenStates, Row
 from llm_runner_svc.runtime.kv import PagePool
-from llm_runner_svc.runtime.prefix_cache import PrefixCache
+from llm_runner_svc.runtime.prefix_cache import PrefixCache, window
 from llm_runner_svc.runtime.request import SeqStatus, SequenceState
 
 Planned = list[tuple[SequenceState, Row]]
@@ -145,7 +145,8 @@ class Scheduler:
             if self.pool.pages_for(seq.computed + n) - len(seq.pages) + decoding > \
                     self.pool.num_free:
                 self.pool.release(seq.pages)
-                seq.computed = seq.cache_done = 0
+                seq.computed = 0
+                seq.page_names, seq.reused_hidden = [], []
                 break
             self.waiting.remove(seq)
             if self.cache is not None:
@@ -162,12 +163,32 @@ class Scheduler:
 
     def _reuse(self, seq: SequenceState) -> None:
         """A joining request holds the longest cached prefix of its known tokens (unless it
-        bypasses the cache, or captures hidden states the cache does not keep)."""
-        if self.cache is None or not seq.req.cache_lookup or seq.req.capture_hidden:
+        bypasses the cache); one that captures hidden states takes only pages that kept
+        theirs, and receives them as its first states."""
+        if self.cache is None or not seq.req.cache_lookup:
             return
-        seq.pages, seq.cache_parent = self.cache.match(seq.known, self.launches)
-        seq.cache_done = len(seq.pages)
-        seq.computed = seq.cache_done * self.pool.page_size
+        hidden = seq.req.capture_hidden
+        if hidden and not self.cache.max_snapshots:
+            return
+        seq.pages, seq.page_names = self.cache.match(seq.known, self.launches, hidden)
+        seq.computed = len(seq.pages) * self.pool.page_size
+        if hidden:
+            seq.reused_hidden = self.cache.pieces(seq.page_names)
+
+    def keep_hidden(self, seq: SequenceState, hs: HiddenStates) -> None:
+        """`hs` was delivered to `seq`: full named pages whose states are all delivered keep
+        them in the cache."""
+        if self.cache is None or not self.cache.max_snapshots:
+            return
+        ps = self.pool.page_size
+        seq.kept_rows.append(hs)
+        full = min(len(seq.page_names), seq.hidden_upto // ps)
+        while seq.kept_pages < full:
+            j = seq.kept_pages
+            self.cache.attach(seq.page_names[j], window(seq.kept_rows, j * ps, (j + 1) * ps))
+            seq.kept_pages += 1
+        lo = seq.kept_pages * ps
+        seq.kept_rows = [h for h in seq.kept_rows if h.start_position + len(h.states) > lo]
 
     def _commit(self, seq: SequenceState, launch: int) -> None:
         """Name the full pages of `seq` whose tokens are known and computed."""
@@ -176,8 +197,7 @@ class Scheduler:
         upto = min(seq.computed, len(seq.known))
         if not seq.req.cache_generated:
             upto = min(upto, len(seq.req.prompt_ids))
-        seq.cache_done, seq.cache_parent = self.cache.commit(
-            seq.known, seq.pages, seq.cache_done, seq.cache_parent, upto, launch)
+        self.cache.commit(seq.known, seq.pages, seq.page_names, upto, launch)
 
     def _plan_row(self, seq: SequenceState, plan: Planned, tokens: tuple[int, ...],
                   from_pick: int | None, pick: bool) -> None:
@@ -210,7 +230,8 @@ class Scheduler:
         known tokens when it joins again (a pick still in flight is accepted as usual)."""
         self.running.remove(seq)
         self.pool.release(seq.pages)
-        seq.computed = seq.cache_done = 0
+        seq.computed = 0
+        seq.page_names = []
         seq.status = SeqStatus.PREEMPTED
         seq.pick_launch = -1
         self.waiting.appendleft(seq)

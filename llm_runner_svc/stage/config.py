@@ -68,6 +68,7 @@ class StageConfig:
     kv_memory_fraction: float = 0.0  # KV pool on a GPU: share of free memory (0 = by bytes)
     prefix_cache: bool = False  # config.context_cache.enable_reuse
     prefix_cache_records: int = 0  # config.context_cache.max_records (0 = the pool bounds)
+    prefix_cache_snapshots: int = 0  # config.context_cache.max_snapshots (0 = no states kept)
 
     engine_dir: str = ""  # a build-engine directory the engine loads its plan from
     runtime_cache: str = ""  # the tensorrt engine's runtime cache file (read at start, saved)
@@ -158,6 +159,7 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
     inputs = tuple(_str_list(raw, "inputs", list(_INPUTS), _INPUTS))
     cfg = _typed(raw, "config", dict, {})
     hidden_layer, sampling, checkpoint = _parse_runner_keys(cfg)
+    cache = cfg.get("context_cache", {})
     engine = _typed(raw, "engine", str, "numpy")
     engine_dir, runtime_cache = _graph_plan_keys(artifact, engine, cfg)
     if engine_dir:
@@ -192,8 +194,9 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
         kv_memory_bytes=_typed(raw, "kvMemoryBytes", int, 0),
         kv_memory_fraction=_typed(raw, "kvMemoryFraction", float, 0.0),
         device=_typed(raw, "device", str, ""),
-        prefix_cache=bool(cfg.get("context_cache", {}).get("enable_reuse", False)),
-        prefix_cache_records=cfg.get("context_cache", {}).get("max_records", 0))
+        prefix_cache=bool(cache.get("enable_reuse", False)),
+        prefix_cache_records=cache.get("max_records", 0),
+        prefix_cache_snapshots=cache.get("max_snapshots", 0))
 
 
 def _parse_runner_keys(cfg: Mapping[str, Any]) -> tuple[int, SamplingDefaults, str]:

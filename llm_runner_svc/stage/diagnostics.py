@@ -73,6 +73,7 @@ class StageSnapshot:
     prefix_cache_hit_tokens: int = 0  # positions they reused
     prefix_cache_pages: int = 0  # pages the prefix cache names (held or idle)
     prefix_cache_evictions: int = 0  # named pages taken back for new requests, since start
+    prefix_cache_hidden_bytes: int = 0  # captured states kept beside cached pages
 
     @classmethod
     def build(cls, core: CoreSnapshot, config: StageConfig, slots: Sequence[Slot], *,
@@ -90,7 +91,8 @@ def prefix_cache_values(cache: PrefixCache | None) -> dict[str, int]:
         return {}
     st = cache.stats
     return {"prefix_cache_hits": st.hits, "prefix_cache_hit_tokens": st.hit_tokens,
-            "prefix_cache_pages": cache.num_pages, "prefix_cache_evictions": st.evictions}
+            "prefix_cache_pages": cache.num_pages, "prefix_cache_evictions": st.evictions,
+            "prefix_cache_hidden_bytes": st.hidden_bytes}
 
 
 def stage_diagnostics(snap: StageSnapshot) -> dict[str, Any]:
@@ -109,6 +111,7 @@ def stage_diagnostics(snap: StageSnapshot) -> dict[str, Any]:
         "prefix_cache_hit_tokens": snap.prefix_cache_hit_tokens,
         "prefix_cache_pages": snap.prefix_cache_pages,
         "prefix_cache_evictions": snap.prefix_cache_evictions,
+        "prefix_cache_hidden_bytes": snap.prefix_cache_hidden_bytes,
         "queued": snap.num_queued, "tokens_in_flight": snap.tokens_in_flight,
         "max_queued": snap.max_queued, "max_tokens_in_flight": snap.max_tokens_in_flight,
     }

@@ -87,7 +87,8 @@ class LlmStage(StageCore):
             hidden_layer=hidden, sampling=config.sampling,
             max_tokens_per_step=config.max_tokens_per_step,
             kv_memory_bytes=config.kv_memory_bytes, kv_memory_fraction=config.kv_memory_fraction,
-            prefix_cache=config.prefix_cache, prefix_cache_records=config.prefix_cache_records)
+            prefix_cache=config.prefix_cache, prefix_cache_records=config.prefix_cache_records,
+            prefix_cache_snapshots=config.prefix_cache_snapshots)
         factory = runtime_factory or runtime_factory_from_env()
         return cls(config, model, factory(engine, model.tokenizer, rt_config), slot_ttl_s,
                    max_message_bytes)

@@ -208,10 +208,6 @@ UNHONOURED: Mapping[str, _Unhonoured] = {
     "ple": _Unhonoured("per-layer embeddings are not in this build"),
     "lora_adapters": _Unhonoured("LoRA is not in this build (an empty object is accepted)",
                                  bool),
-    "context_cache": _Unhonoured(
-        "hidden states of a reused prefix are not kept in this build (max_snapshots must be 0 "
-        "with enable_reuse; requests that capture hidden states bypass the cache)",
-        lambda cache: cache.get("enable_reuse", False) and cache.get("max_snapshots", 0) > 0),
     "offload_embedding": _Unhonoured("only false is supported", bool),
 }
 

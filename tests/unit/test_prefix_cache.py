@@ -5,6 +5,7 @@ come back once the requests end and the cache is cleared."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from helpers import make_runtime
 
@@ -165,7 +166,9 @@ def test_pool_evicts_only_idle_pages_oldest_first():
     pool = PagePool(4, 2)
     cache = PrefixCache(pool, "k")
     pages = pool.allocate(3)
-    cache.commit([1, 2, 3, 4, 5, 6], pages, 0, b"", 6, 0)
+    names: list[bytes] = []
+    cache.commit([1, 2, 3, 4, 5, 6], pages, names, 6, 0)
+    assert len(names) == 3
     assert cache.num_pages == 3
     pool.release(pages[2:3])
     pool.release(pages[:1])
@@ -191,3 +194,59 @@ def test_commit_policy_decides_whether_generated_tokens_are_kept(cached, prompt,
     m = _metrics(cached, _req(turn, "b"))
     kept = (len(turn) - 1) // PS if generated else len(prompt) // PS
     assert m["cached_tokens"] == kept * PS
+
+
+def _states(rt, req) -> tuple[list[int], list[tuple[int, object, object]]]:
+    """A capturing request's tokens and (position, embedding row, state row), in order."""
+    rt.submit(req)
+    toks: list[int] = []
+    rows: list = []
+    while rt.has_work:
+        for ev in rt.step():
+            toks += ev.token_ids
+            for hs in ev.hidden:
+                rows += [(hs.start_position + i, e, s)
+                         for i, (e, s) in enumerate(zip(hs.embeddings, hs.states, strict=True))]
+    return toks, rows
+
+
+@pytest.mark.parametrize("kind", ["none", "partial_page", "one_page", "whole_prompt"])
+def test_reused_prefix_delivers_the_same_hidden_states(stories, prompt, kind):
+    """With max_snapshots, a capturing request that reuses a prefix still receives the
+    states of every position, bit for bit those of a run without the cache."""
+    second = _variants(prompt)[kind]
+
+    def req(ids, rid):
+        return GenerationRequest(rid, list(ids), resolve(RuntimeConfig().sampling,
+                                                         temperature=0.0, max_new_tokens=6),
+                                 capture_hidden=True)
+    kw = dict(max_batch=2, max_seq=256, page_size=PS, hidden_layer=2)
+    plain = make_runtime(stories, **kw)
+    want = _states(plain, req(second, "w"))
+    plain.close()
+    rt = make_runtime(stories, prefix_cache=True, prefix_cache_snapshots=64, **kw)
+    try:
+        first = _states(rt, req(prompt, "a"))[1]
+        assert rt.prefix_cache.num_snapshots > 0 and rt.prefix_cache.stats.hidden_bytes > 0
+        got = _states(rt, req(second, "b"))
+        assert rt.prefix_cache.stats.hits == (0 if kind == "none" else 1)
+        assert got[0] == want[0]
+        assert [p for p, _, _ in got[1]] == list(range(len(got[1])))
+        assert [p for p, _, _ in got[1]] == [p for p, _, _ in want[1]]
+        # Reused positions carry the bytes the first run captured, bit for bit. Against a run
+        # without the cache they agree to float rounding: the numpy engine's matmuls round
+        # by the number of rows in a pass, so a prefill of another length (or chunking)
+        # moves the last bit, cache or not (as in test_scheduling.py).
+        shared = {"none": 0, "partial_page": PS, "one_page": PS,
+                  "whole_prompt": (len(prompt) - 1) // PS * PS}[kind]
+        for (p, e1, s1), (_, e2, s2) in zip(got[1], want[1], strict=True):
+            if p < shared:
+                assert e1.tobytes() == first[p][1].tobytes(), p
+                assert s1.tobytes() == first[p][2].tobytes(), p
+            np.testing.assert_allclose(e1, e2, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(s1, s2, rtol=1e-4, atol=1e-5)
+    finally:
+        rt.clear_prefix_cache()
+        assert rt.prefix_cache.num_snapshots == 0 and rt.prefix_cache.stats.hidden_bytes == 0
+        rt.close()
+

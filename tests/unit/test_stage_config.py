@@ -125,7 +125,6 @@ def test_unknown_engine_lists_the_valid_ones(tmp_path):
     ("visual_pruning", {"algorithm": "dart", "reduction_ratio": 0.25}),
     ("ple", {"file": "ple.bin", "residency": "host", "cache_slots": 64}),
     ("runtime_cache", "c"), ("lora_adapters", {"a": "x"}),
-    ("context_cache", {"enable_reuse": True, "max_records": 1024, "max_snapshots": 4}),
     ("offload_embedding", True),
 ])
 def test_keys_this_build_cannot_honour_are_unimplemented(tmp_path, key, value):
