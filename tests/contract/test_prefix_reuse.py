@@ -4,13 +4,17 @@ tokens as its first run, and every page counts as free once the stage is idle.""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 from google.protobuf.json_format import MessageToDict
+from llm_stage_client.hidden import HiddenWindow
 from stage_harness import StageServer
+from test_hidden_port import Consumer
 
 from llm_runner_svc.stage import StageConfig
 from services.contract.llmstage.v1 import stage_pb2 as pb
@@ -62,3 +66,34 @@ def test_an_undefined_policy_value_is_invalid(server: StageServer) -> None:
         server.admit(5, text=PROMPT, context_cache_commit_policy=7)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "CacheCommitPolicy 7" in (info.value.details() or "")
+
+
+def test_a_reused_prefix_still_publishes_the_whole_prefill_window(stories) -> None:
+    """With max_snapshots, the repeated request's subscriber receives every prompt position
+    (the reused ones from the cache), the published CRC is that of the bytes received, and
+    the states agree with the first run's: the reused positions bit for bit."""
+    cfg = StageConfig(max_seq=512, emits=("text", "tokens", "hidden"), prefix_cache=True,
+                      prefix_cache_snapshots=64)
+    runs = []
+    with StageServer(cfg) as srv:
+        for sid in (1, 2):
+            consumer = Consumer(srv, f"h{sid}")
+            tokens, diag = _run(srv, sid, ports=["text", "hidden"], request_id=f"h{sid}")
+            consumer.join(30)
+            assert consumer.error is None
+            windows = [m for m in consumer.messages if isinstance(m, HiddenWindow)]
+            crc = 0
+            for w in windows:
+                crc = zlib.crc32(w.states.tobytes(), crc)
+            assert diag["hidden_states_crc32"] == crc
+            prefill = [w for w in windows if w.is_prefill]
+            assert [w.start_position for w in prefill][0] == 0
+            ids = tuple(t for w in prefill for t in w.token_ids)
+            assert ids == tuple(stories.tokenizer.encode(PROMPT))
+            runs.append((tokens, diag, np.concatenate([w.states for w in windows])))
+        assert srv.stats()["prefix_cache_hidden_bytes"] > 0
+    (t1, d1, s1), (t2, d2, s2) = runs
+    assert t2 == t1 and d1["cached_tokens"] == 0 and d2["cached_tokens"] > 0
+    c = int(d2["cached_tokens"])
+    assert s1[:c].tobytes() == s2[:c].tobytes()
+    np.testing.assert_allclose(s2, s1, rtol=1e-4, atol=1e-5)
