@@ -8,8 +8,12 @@ the lookup bypassed: the cost without reuse on a warm process. With --turns N, a
 conversation (each turn repeats the previous prompt and answer and adds a user turn) counts
 the prefilled positions with and without reuse.
 
+With --engine torch --shape qwen2.5-7b (a CUDA GPU): the torch engine on random bf16
+weights of that shape and random token ids, after one warm-up request.
+
 Usage: python benchmarks/bench_prefix_cache.py [--model smollm2] [--system 2000] [--user 50]
                                                [--turns 8]
+       python benchmarks/bench_prefix_cache.py --engine torch --shape qwen2.5-7b
 """
 
 from __future__ import annotations
@@ -17,11 +21,16 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import llm_runner_svc  # noqa: F401  (first: its BLAS settings apply before numpy loads)
 
 # isort: split
 from llm_runner_svc.engines import create_engine
+from llm_runner_svc.engines.base import Engine
 from llm_runner_svc.models import Model, load_model
 from llm_runner_svc.runtime import (
     GenerationRequest,
@@ -36,7 +45,11 @@ TEXT = ("You are a careful assistant for a small library. Answer questions about
 
 
 def tokens(model: Model, n: int, salt: str) -> list[int]:
-    """`n` token ids of English text, different for each `salt`."""
+    """`n` token ids of English text, different for each `salt` (random ids for a model
+    with random weights)."""
+    if model.format == "random":
+        rng = random.Random(salt)
+        return [rng.randrange(model.config.vocab_size) for _ in range(n)]
     ids: list[int] = []
     k = 0
     while len(ids) < n:
@@ -58,16 +71,25 @@ def run(rt: InferenceRuntime, rid: str, prompt: list[int], max_new: int = 1,
     raise RuntimeError("no metrics")
 
 
-def runtime(model: Model, max_seq: int, reuse: bool) -> InferenceRuntime:
-    rt = InferenceRuntime(create_engine("numpy", model.config, model.weights), model.tokenizer,
+Engines = Callable[[Model], Engine]
+
+
+def numpy_engine(model: Model) -> Engine:
+    return create_engine("numpy", model.config, model.weights)
+
+
+def runtime(model: Model, engine: Engines, max_seq: int, reuse: bool) -> InferenceRuntime:
+    rt = InferenceRuntime(engine(model), model.tokenizer,
                           RuntimeConfig(max_batch=1, max_seq=max_seq, prefix_cache=reuse))
     rt.preallocate()
     return rt
 
 
-def ttft(model: Model, system: int, user: int) -> None:
+def ttft(model: Model, engine: Engines, system: int, user: int) -> None:
     sys_ids = tokens(model, system, "System")
-    rt = runtime(model, system + user + 16, True)
+    rt = runtime(model, engine, system + user + 16, True)
+    if model.format == "random":  # kernels compiled and caches warm before timing
+        run(rt, "warm-up", tokens(model, system + user, "Warm-up"), lookup=False)
     first, _ = run(rt, "first", sys_ids + tokens(model, user, "Question A"))
     second, _ = run(rt, "second", sys_ids + tokens(model, user, "Question B"))
     bypass, _ = run(rt, "bypass", sys_ids + tokens(model, user, "Question B"), lookup=False)
@@ -82,7 +104,7 @@ def ttft(model: Model, system: int, user: int) -> None:
 def conversation(model: Model, turns: int, user: int, answer: int) -> None:
     totals = {}
     for reuse in (False, True):
-        rt = runtime(model, turns * (user + answer) + 32, reuse)
+        rt = runtime(model, numpy_engine, turns * (user + answer) + 32, reuse)
         prompt: list[int] = []
         prefilled = 0
         for t in range(turns):
@@ -97,6 +119,21 @@ def conversation(model: Model, turns: int, user: int, answer: int) -> None:
           f"({totals[True] / totals[False]:.2f}x)")
 
 
+def torch_model(shape: str) -> tuple[Model, Engines]:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_paths import random_model
+
+    from llm_runner_svc.engines.torch_engine import TorchEngine
+    from llm_runner_svc.engines.torch_weights import named_shape, random_weights
+
+    config = named_shape(shape)
+    weights = random_weights(config, torch.device("cuda"), torch.bfloat16)
+    return (random_model(shape, config, None),
+            lambda m: TorchEngine(config, weights, device="cuda"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
@@ -104,11 +141,18 @@ def main() -> None:
     ap.add_argument("--user", type=int, default=50)
     ap.add_argument("--turns", type=int, default=0)
     ap.add_argument("--answer", type=int, default=16)
+    ap.add_argument("--engine", choices=("numpy", "torch"), default="numpy")
+    ap.add_argument("--shape", default="qwen2.5-7b", help="the torch engine's model shape")
     args = ap.parse_args()
-    model = load_model(args.model)
-    print(f"{args.model} on the numpy engine, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores; system prompt {args.system} tokens, user turn {args.user}\n")
-    ttft(model, args.system, args.user)
+    if args.engine == "torch":
+        model, engine = torch_model(args.shape)
+        where = f"{args.shape} (random bf16 weights) on the torch engine, CUDA"
+    else:
+        model, engine = load_model(args.model), numpy_engine
+        where = (f"{args.model} on the numpy engine, {platform.processor() or platform.machine()}"
+                 f", {os.cpu_count()} cores")
+    print(f"{where}; system prompt {args.system} tokens, user turn {args.user}\n")
+    ttft(model, engine, args.system, args.user)
     if args.turns:
         conversation(model, args.turns, args.user, args.answer)
 
