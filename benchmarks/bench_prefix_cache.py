@@ -22,9 +22,7 @@ import argparse
 import os
 import platform
 import random
-import sys
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 import llm_runner_svc  # noqa: F401  (first: its BLAS settings apply before numpy loads)
 
@@ -32,6 +30,7 @@ import llm_runner_svc  # noqa: F401  (first: its BLAS settings apply before nump
 from llm_runner_svc.engines import create_engine
 from llm_runner_svc.engines.base import Engine
 from llm_runner_svc.models import Model, load_model
+from llm_runner_svc.models.tokenizer import Tokenizer
 from llm_runner_svc.runtime import (
     GenerationRequest,
     InferenceRuntime,
@@ -119,19 +118,30 @@ def conversation(model: Model, turns: int, user: int, answer: int) -> None:
           f"({totals[True] / totals[False]:.2f}x)")
 
 
+class _NoText(Tokenizer):
+    """Random weights have no vocabulary: ids in, no text out."""
+
+    bos_id = None
+    eos_ids = ()
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        raise NotImplementedError("a random-weight model takes token ids")
+
+    def decode(self, ids: Sequence[int], after_bos: bool = False) -> str:
+        return ""
+
+
 def torch_model(shape: str) -> tuple[Model, Engines]:
     import torch
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gpu_paths import random_model
 
     from llm_runner_svc.engines.torch_engine import TorchEngine
     from llm_runner_svc.engines.torch_weights import named_shape, random_weights
 
     config = named_shape(shape)
     weights = random_weights(config, torch.device("cuda"), torch.bfloat16)
-    return (random_model(shape, config, None),
-            lambda m: TorchEngine(config, weights, device="cuda"))
+    model = Model(name=shape, format="random", config=config, weights=None,  # type: ignore[arg-type]
+                  tokenizer=_NoText())
+    return model, lambda m: TorchEngine(config, weights, device="cuda")
 
 
 def main() -> None:
