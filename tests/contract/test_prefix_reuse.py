@@ -52,6 +52,9 @@ def test_repeated_prompt_reuses_the_cached_prefix(server: StageServer) -> None:
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
     assert stats["prefix_cache_hits"] >= 1 and stats["prefix_cache_pages"] > 0
     assert stats["prefix_cache_hit_tokens"] >= d2["cached_tokens"]
+    gauge = server.stage.metrics.registry.get_sample_value
+    assert gauge("llmstage_prefix_cache_hits") == stats["prefix_cache_hits"]
+    assert gauge("llmstage_prefix_cache_pages") == stats["prefix_cache_pages"]
 
 
 def test_bypass_prefills_the_whole_prompt(server: StageServer) -> None:

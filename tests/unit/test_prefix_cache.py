@@ -141,6 +141,33 @@ def test_eviction_under_a_small_pool(stories, baseline, prompt):
         rt.close()
 
 
+def test_preemption_under_a_small_pool_while_sharing(stories, baseline, prompt):
+    """Four requests share a prefix in a pool too small for all of them: some are preempted
+    (their pages released, named ones kept idle) and rejoin through the cache."""
+    rt = make_runtime(stories, max_batch=4, max_seq=128, page_size=PS, prefix_cache=True,
+                      kv_memory_bytes=9 * PS * rt_kv_bytes(stories))
+    try:
+        reqs = [_req(prompt[:PS * 2 + 3 * i] + [prompt[i]], f"p{i}", max_new_tokens=40)
+                for i in range(4)]
+        want = baseline(reqs)
+        assert _run(rt, [reqs[0]]) == {"p0": want["p0"]}
+        assert _run(rt, reqs) == want
+        assert rt.scheduler.preemptions > 0 and rt.prefix_cache.stats.hits >= 4
+        rt.clear_prefix_cache()
+        assert rt.pages.num_free == rt.plan.num_pages and rt.pages.num_idle == 0
+    finally:
+        rt.close()
+
+
+def rt_kv_bytes(model) -> int:
+    """KV bytes of one position of `model` in the test engine's pool."""
+    rt = make_runtime(model, max_batch=1, max_seq=16, page_size=PS)
+    try:
+        return rt.engine.kv_bytes_per_token()
+    finally:
+        rt.close()
+
+
 def test_cancel_while_the_prefix_is_shared(cached, baseline, prompt):
     _run(cached, [_req(prompt, "warm")])
     reqs = [_req(prompt, "keep", max_new_tokens=20), _req(prompt, "gone", max_new_tokens=20)]

@@ -140,6 +140,15 @@ def test_off_values_of_unhonoured_keys_are_accepted(tmp_path):
     assert load_stage_config(_write(tmp_path, {"stages": [stage]})).stage_id == "thinker"
 
 
+def test_context_cache_keys_reach_the_stage_config(tmp_path):
+    stage = _with_config(context_cache={"enable_reuse": True, "max_records": 64,
+                                        "max_snapshots": 8})
+    cfg = load_stage_config(_write(tmp_path, {"stages": [stage]}))
+    assert (cfg.prefix_cache, cfg.prefix_cache_records, cfg.prefix_cache_snapshots) == \
+        (True, 64, 8)
+    assert not load_stage_config(_write(tmp_path, {"stages": [_stage()]})).prefix_cache
+
+
 def test_missing_file_is_not_found(tmp_path):
     with pytest.raises(RunnerError) as info:
         load_stage_config(tmp_path / "absent.json")
