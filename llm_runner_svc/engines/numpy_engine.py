@@ -138,13 +138,17 @@ class NumpyEngine(BatchedEngine):
 
     # ---- forward ---------------------------------------------------------------------
     def _run(self, p: Pass) -> tuple[np.ndarray, np.ndarray] | None:
-        """The one-token segments together, then each longer segment on its own: a
-        token's numbers then depend only on its own row's group, not on what else shares
-        the pass (BLAS picks kernels and threads by the row count)."""
+        """Every segment's tokens through the layers together, so the weights are read once
+        per pass. A pass that captures hidden states runs its one-token segments together
+        and each longer one on its own instead: a captured state then never depends on
+        what else shares the pass (BLAS picks its kernels by the row count), which the
+        hidden port's byte-exact consumers rely on."""
+        if not p.capture:
+            self._run_group(p.segments, None)
+            return None
         hidden = self.config.hidden_size
         n = p.num_tokens
-        caps = (np.empty((n, hidden), np.float32), np.empty((n, hidden), np.float32)) \
-            if p.capture else None
+        caps = (np.empty((n, hidden), np.float32), np.empty((n, hidden), np.float32))
         singles = [s for s in p.segments if len(s.tokens) == 1]
         if singles:
             self._run_group(singles, caps)
@@ -155,7 +159,8 @@ class NumpyEngine(BatchedEngine):
 
     def _run_group(self, segs: list[Segment],
                    caps: tuple[np.ndarray, np.ndarray] | None) -> None:
-        """One-token segments, or a single longer one, through every layer."""
+        """Segments through every layer: their one-token rows attend together over
+        gathered windows, each longer one over its own pages."""
         plan = self._checked_plan()
         ps = plan.page_size
         spans = [np.arange(s.start, s.start + len(s.tokens)) for s in segs]
@@ -164,18 +169,22 @@ class NumpyEngine(BatchedEngine):
         n = pos.shape[0]
         slots = np.concatenate([t[q // ps] * ps + q % ps
                                 for t, q in zip(tables, spans, strict=True)])  # [n] pool rows
-        single = _Singles.build(segs, plan) if n == len(segs) else None
+        at = np.cumsum([0] + [len(s.tokens) for s in segs])  # each segment's first row
+        ones = [i for i, s in enumerate(segs) if len(s.tokens) == 1]
+        many = [i for i, s in enumerate(segs) if len(s.tokens) > 1]
+        single = _Singles.build([segs[i] for i in ones], plan) if ones else None
+        rows: slice | np.ndarray = slice(0, len(ones)) if not many else at[ones]
         self._embed([t for s in segs for t in s.tokens], n)
 
         def attend(layer: int, q: np.ndarray, kv: np.ndarray) -> None:
             self._store_kv(layer, slots, kv)
             if single is not None:
-                self._attend_singles(layer, q, single)
-            else:
-                self._attend_prefill(layer, q, tables[0], pos)
+                self._attend_singles(layer, q, single, rows)
+            for i in many:
+                span = slice(int(at[i]), int(at[i + 1]))
+                self._attend_prefill(layer, q, tables[i], spans[i], span)
 
         self._run_layers(n, pos, attend, caps is not None)
-        at = np.cumsum([0] + [len(s.tokens) for s in segs])  # each segment's first row
         last = [int(at[i + 1]) - 1 for i, s in enumerate(segs) if s.wants_logits]
         out = [s.row for s in segs if s.wants_logits]
         k = len(last)
@@ -240,11 +249,12 @@ class NumpyEngine(BatchedEngine):
         they enter the pool (rounded to bf16 under kv_dtype "bfloat16")."""
         self._kv_pool[layer][slots] = round_to_bf16(kv) if self._round_kv else kv
 
-    def _attend_prefill(self, layer: int, q: np.ndarray, table: np.ndarray,
-                        pos: np.ndarray) -> None:
-        """q [n, q_dim] of one request at positions `pos` [n] (their KV already stored),
-        attending causally over its pages."""
+    def _attend_prefill(self, layer: int, q_all: np.ndarray, table: np.ndarray,
+                        pos: np.ndarray, rows_of: slice) -> None:
+        """Rows `rows_of` of q [*, q_dim]: one request at positions `pos` [n] (their KV
+        already stored), attending causally over its pages."""
         c, ps = self.config, self._checked_plan().page_size
+        q = q_all[rows_of]
         n = q.shape[0]
         end = int(pos[-1]) + 1
         pages = table[:(end - 1) // ps + 1]
@@ -262,11 +272,14 @@ class NumpyEngine(BatchedEngine):
         scores[..., ~visible] = -np.inf
         softmax_(scores)
         out = np.matmul(scores, vals_t)  # [kv, g, n, hd]
-        self._attn[:n] = out.transpose(2, 0, 1, 3).reshape(n, c.q_dim)
+        self._attn[rows_of] = out.transpose(2, 0, 1, 3).reshape(n, c.q_dim)
 
-    def _attend_singles(self, layer: int, q: np.ndarray, one: _Singles) -> None:
-        """The one-token segments together: each attends over its gathered window."""
+    def _attend_singles(self, layer: int, q_all: np.ndarray, one: _Singles,
+                        rows_of: slice | np.ndarray) -> None:
+        """The one-token segments (rows `rows_of` of q) together: each attends over its
+        gathered window."""
         c = self.config
+        q = q_all[rows_of]
         b = q.shape[0]
         span = one.gather.shape[0] // b
         g = c.num_heads // c.num_kv_heads
@@ -278,7 +291,7 @@ class NumpyEngine(BatchedEngine):
         scores += one.mask
         softmax_(scores)
         out = np.matmul(scores, window[:, :, 1].transpose(0, 2, 1, 3))  # [b, kv, g, hd]
-        self._attn[:b] = out.reshape(b, c.q_dim)
+        self._attn[rows_of] = out.reshape(b, c.q_dim)
 
 
 @dataclass(frozen=True)
