@@ -5,11 +5,31 @@ consumer can prove it received these exact bytes."""
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
+from llm_runner_svc.engines.batch import HiddenStates
 from llm_runner_svc.runtime import StepEvent
 from llm_runner_svc.stage.publish import HiddenPublisher
 from services.stage.slot import Slot
+
+
+def _joined_prefill(windows: Sequence[HiddenStates], num_prompt: int) -> list[HiddenStates]:
+    """Consecutive prompt windows of one step as one (a reused prefix arrives page by page),
+    so the prefill window is published as it would be without the prefix cache."""
+    out: list[HiddenStates] = []
+    for hs in windows:
+        last = out[-1] if out else None
+        if last is not None and hs.start_position < num_prompt and \
+                last.start_position + len(last.states) == hs.start_position:
+            out[-1] = HiddenStates(np.concatenate([last.embeddings, hs.embeddings]),
+                                   np.concatenate([last.states, hs.states]),
+                                   last.start_position)
+        else:
+            out.append(hs)
+    return out
 
 
 async def publish_step(hidden: HiddenPublisher, pairs: list[tuple[Slot, StepEvent]]) -> None:
@@ -22,7 +42,7 @@ async def publish_step(hidden: HiddenPublisher, pairs: list[tuple[Slot, StepEven
             continue
         rid = slot.request.request_id
         num_prompt = len(slot.admitted)
-        for hs in ev.hidden:
+        for hs in _joined_prefill(ev.hidden, num_prompt):
             # A checksum at the source, so a consumer can prove it got these exact bytes.
             slot.telemetry.hidden_crc32 = zlib.crc32(hs.states.tobytes(),
                                                    slot.telemetry.hidden_crc32)

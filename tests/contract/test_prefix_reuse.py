@@ -93,9 +93,11 @@ def test_a_reused_prefix_still_publishes_the_whole_prefill_window(stories) -> No
             assert [w.start_position for w in prefill][0] == 0
             ids = tuple(t for w in prefill for t in w.token_ids)
             assert ids == tuple(stories.tokenizer.encode(PROMPT))
-            runs.append((tokens, diag, np.concatenate([w.states for w in windows])))
+            runs.append((tokens, diag, np.concatenate([w.states for w in windows]),
+                         [(w.start_position, len(w.token_ids)) for w in prefill]))
         assert srv.stats()["prefix_cache_hidden_bytes"] > 0
-    (t1, d1, s1), (t2, d2, s2) = runs
+    (t1, d1, s1, w1), (t2, d2, s2, w2) = runs
+    assert w2 == w1  # the prefill window in the same messages, the reused part joined
     assert t2 == t1 and d1["cached_tokens"] == 0 and d2["cached_tokens"] > 0
     c = int(d2["cached_tokens"])
     assert s1[:c].tobytes() == s2[:c].tobytes()
