@@ -23,6 +23,7 @@ from typing import Any
 from llm_runner_svc.engines import engine_names
 from llm_runner_svc.errors import NotFound, RunnerError, Unimplemented
 from llm_runner_svc.export.sidecar import is_build_dir, load_sidecar
+from llm_runner_svc.runtime.config import RuntimeConfig
 from llm_runner_svc.runtime.sampling import SamplingDefaults
 from llm_runner_svc.stage.limits import KEYS as LIMIT_KEYS
 from llm_runner_svc.stage.limits import RequestLimits, parse_limits
@@ -73,6 +74,16 @@ class StageConfig:
     engine_dir: str = ""  # a build-engine directory the engine loads its plan from
     runtime_cache: str = ""  # the tensorrt engine's runtime cache file (read at start, saved)
     device: str = ""  # the torch engine's device ("cpu", "cuda", "cuda:N"); "" = GPU if any
+
+    def runtime_config(self) -> RuntimeConfig:
+        """The runtime's settings for this stage."""
+        return RuntimeConfig(
+            max_batch=self.max_batch, max_seq=self.max_seq, max_waiting=self.max_waiting,
+            hidden_layer=self.accept_hidden_layer if self.has_hidden_port else None,
+            sampling=self.sampling, max_tokens_per_step=self.max_tokens_per_step,
+            kv_memory_bytes=self.kv_memory_bytes, kv_memory_fraction=self.kv_memory_fraction,
+            prefix_cache=self.prefix_cache, prefix_cache_records=self.prefix_cache_records,
+            prefix_cache_snapshots=self.prefix_cache_snapshots)
 
     def engine_options(self) -> dict[str, str]:
         """Keyword arguments for create_engine beyond the model (none for most engines)."""

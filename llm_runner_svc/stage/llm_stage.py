@@ -15,7 +15,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from llm_runner_svc.engines import create_engine
 from llm_runner_svc.engines.base import Engine
-from llm_runner_svc.errors import FailedPrecondition, InvalidArgument, RunnerError
+from llm_runner_svc.errors import RunnerError
 from llm_runner_svc.models import Model, load_model
 from llm_runner_svc.models.tokenizer import Tokenizer
 from llm_runner_svc.runtime import FinishReason, InferenceRuntime, RuntimeConfig, StepEvent
@@ -44,6 +44,7 @@ from llm_runner_svc.stage.publish import HiddenPublisher, Subscriber
 from llm_runner_svc.stage.publish_step import publish_step
 from llm_runner_svc.stage.request import StageRequest
 from llm_runner_svc.stage.shm_budget import ShmBudget, ring_bytes_for
+from llm_runner_svc.stage.subscriber import check_subscribe
 from llm_runner_svc.stage.tokenize_worker import TokenizeWorker
 from llm_runner_svc.stage.tracing import call_span, run_spans
 from services.stage.core import MAX_WINDOW, StageCore
@@ -81,17 +82,9 @@ class LlmStage(StageCore):
         model = load_model(config.artifact)
         engine = create_engine(config.engine, model.config, model.weights,
                                **config.engine_options())
-        hidden = config.accept_hidden_layer if config.has_hidden_port else None
-        rt_config = RuntimeConfig(
-            max_batch=config.max_batch, max_seq=config.max_seq, max_waiting=config.max_waiting,
-            hidden_layer=hidden, sampling=config.sampling,
-            max_tokens_per_step=config.max_tokens_per_step,
-            kv_memory_bytes=config.kv_memory_bytes, kv_memory_fraction=config.kv_memory_fraction,
-            prefix_cache=config.prefix_cache, prefix_cache_records=config.prefix_cache_records,
-            prefix_cache_snapshots=config.prefix_cache_snapshots)
         factory = runtime_factory or runtime_factory_from_env()
-        return cls(config, model, factory(engine, model.tokenizer, rt_config), slot_ttl_s,
-                   max_message_bytes)
+        return cls(config, model, factory(engine, model.tokenizer, config.runtime_config()),
+                   slot_ttl_s, max_message_bytes)
 
     async def start(self) -> None:
         """Preallocate every buffer, then start the decode loop and the slot reaper."""
@@ -207,13 +200,7 @@ class LlmStage(StageCore):
     async def subscribe(self, request_id: str | None, port: str, use_shm: bool
                         ) -> Subscriber:
         """A subscription to the hidden port of one request (it may not exist yet) or all."""
-        if port != "hidden":
-            raise InvalidArgument(f"port {port!r} cannot be subscribed to (only 'hidden')")
-        if not self.config.has_hidden_port:
-            raise FailedPrecondition("this deployment declares no hidden port (add 'hidden' to "
-                                     "emits)")
-        if request_id == "":
-            raise InvalidArgument("Subscribe needs a request_id or all_requests")
+        check_subscribe(self.config.has_hidden_port, request_id, port)
         is_started = request_id is None or any(
             s.request.request_id == request_id for s in self.slots)
         return await self.hidden.subscribe(request_id, use_shm, is_started)

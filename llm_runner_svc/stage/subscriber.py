@@ -7,7 +7,12 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 
-from llm_runner_svc.errors import ResourceExhausted, RunnerError
+from llm_runner_svc.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    RunnerError,
+)
 from llm_runner_svc.stage.hidden_messages import (
     MAX_INLINE_BYTES_PER_MESSAGE,
     MAX_STEPS_PER_MESSAGE,
@@ -94,3 +99,14 @@ async def make_ring(capacity: int, is_faulted_in: bool) -> ShmRing:
         made.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None
                                else f.result().close())
         raise
+
+
+def check_subscribe(has_hidden_port: bool, request_id: str | None, port: str) -> None:
+    """Subscribe's own checks: the port exists here and the target is named."""
+    if port != "hidden":
+        raise InvalidArgument(f"port {port!r} cannot be subscribed to (only 'hidden')")
+    if not has_hidden_port:
+        raise FailedPrecondition("this deployment declares no hidden port (add 'hidden' to "
+                                 "emits)")
+    if request_id == "":
+        raise InvalidArgument("Subscribe needs a request_id or all_requests")
