@@ -47,7 +47,7 @@ def bench(shape: str, n: int, page: int, has_sweep: bool) -> dict:
     k_pool = torch.randn((pages + 1) * page, c.kv_dim, device=dev, dtype=torch.bfloat16)
     v_pool = torch.randn_like(k_pool)
     stager = PrefillStager(n, 1, pages, page, pages, dev)
-    layout = stager.stage([PrefillChunk([0] * n, 0, order)], prefill_block(n))
+    layout = stager.stage([PrefillChunk([0] * n, 0, order, 0)], prefill_block(n))
     out = torch.empty(n, c.q_dim, device=dev, dtype=torch.bfloat16)
     rows = layout.slots  # pool row of each position, in order
 
@@ -79,7 +79,7 @@ def bench(shape: str, n: int, page: int, has_sweep: bool) -> dict:
     sweep = []
     own = PrefillStager(n, 1, pages, page, pages, dev)  # `layout` keeps its buffer
     for block_m, tiles in TILES if has_sweep else []:
-        lay = own.stage([PrefillChunk([0] * n, 0, order)], block_m)
+        lay = own.stage([PrefillChunk([0] * n, 0, order, 0)], block_m)
 
         def run(lay: PrefillLayout = lay, block_m: int = block_m, tiles: Tiles = tiles) -> None:
             launch_prefill_attention(qkv, k_pool, v_pool, lay.blocks, lay.tables, out,

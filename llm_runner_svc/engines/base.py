@@ -8,31 +8,33 @@ plain Python values, so it never imports a tensor library.
 Call order: `preallocate(plan)` once, then steps, then `close()`. A step is
 `launch(batch)`, which starts the batch (`batch.py`) and returns a handle, and later
 `read(handle)`, which gives its picks and captured states; the runtime launches step n+1
-before it reads step n, so a row of step n+1 may feed a pick of step n (`Row.from_pick`).
-The host engines implement `launch` once over flat passes (`batched.py`); an engine written
-for the earlier single-request calls (`prefill` / `decode` / `sample`, the torch engine) is
-served through the new calls by the adapter at the end of this module. Engines are not
-thread-safe: one runtime drives one engine from one thread.
+before it reads step n, so a row of step n+1 may feed a pick of step n (`Row.from_pick`)
+that never left the device. The host engines implement `launch` once over flat passes
+(`batched.py`); the torch engine runs a batch of one-token rows from a captured graph and
+any other batch as one prefill forward (torch_engine.py). `prefill` and `decode`, one
+request's window or one token per row, are one-batch steps kept for tools and engine-level
+tests. Engines are not thread-safe: one runtime drives one engine from one thread.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from llm_runner_svc.engines.batch import (
     GREEDY_TEMPERATURE,
     Batch,
     HiddenStates,
+    Row,
     SampleSpec,
     StepOutput,
 )
 from llm_runner_svc.errors import FailedPrecondition, InvalidArgument
 from llm_runner_svc.models.spec import ModelConfig
 
-__all__ = ["CHAINED", "GREEDY_TEMPERATURE", "Batch", "DecodeRow", "Engine", "EnginePlan",
+__all__ = ["GREEDY_TEMPERATURE", "Batch", "DecodeRow", "Engine", "EnginePlan",
            "HiddenStates", "SampleSpec", "StepOutput"]
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class EnginePlan:
     num_pages: int  # pages in the pool (page ids 0 .. num_pages-1)
     prefill_chunk: int = 256  # the longest stretch of one row in one engine pass
     hidden_layer: int | None = None  # accept_hidden_layer; None = hidden capture disabled
+    step_tokens: int = 0  # the runtime's tokens per step; an engine may size one pass to it
 
     @property
     def max_tokens(self) -> int:
@@ -62,63 +65,47 @@ class DecodeRow:
     capture_hidden: bool = False
 
 
-CHAINED = -1  # a DecodeRow token: the one the engine's previous decode picked for this row
-
-
 class Engine(ABC):
     """A decoder on one device. See the module docstring for the call order."""
 
     name: str
     config: ModelConfig
-    # Adapter only (an engine on the single-request calls): whether decode() takes rows whose
-    # token is CHAINED, the pick of the engine's previous decode for the row at the same index.
-    supports_chaining = False
     default_step_tokens = 512  # tokens per step unless the deployment says (maxTokensPerStep)
-    _legacy_last: _LegacyStep | None = None
 
     @abstractmethod
     def preallocate(self, plan: EnginePlan) -> None:
         """Claim every buffer for `plan`. Nothing on the step path allocates afterwards.
         Calling it again with the same plan is a no-op; with another plan, an error."""
 
+    @abstractmethod
     def launch(self, batch: Batch) -> Any:
         """Launch one step: every row's tokens run, their KV is written into the row's pages,
         each row's last logits land in the logits row of its index, and rows with a sample
         spec get a pick. Returns the handle `read` takes; at most the last handle may still
         be unread when the next forward is launched."""
-        return _legacy_launch(self, batch)
-
-    def read(self, handle: Any) -> StepOutput:
-        """The picks and captured states of the step `handle` launched (once it is done)."""
-        step: _LegacyStep = handle
-        return StepOutput(_legacy_picks(self, step), step.hidden)
 
     @abstractmethod
+    def read(self, handle: Any) -> StepOutput:
+        """The picks and captured states of the step `handle` launched (once it is done)."""
+
     def prefill(self, token_ids: Sequence[int], start_pos: int, page_table: Sequence[int],
                 capture_hidden: bool = False) -> HiddenStates | None:
         """One row of `token_ids` at start_pos .. start_pos+len-1, writing their KV into
         the pages of `page_table`; leaves the last position's logits in logits row 0.
         Returns the captured states of the window when asked."""
+        row = Row(tuple(token_ids), start_pos, tuple(page_table), capture_hidden=capture_hidden)
+        return self.read(self.launch(Batch((row,), keep_logits=True))).hidden[0]
 
-    @abstractmethod
     def decode(self, rows: Sequence[DecodeRow]) -> list[HiddenStates | None]:
         """One token per row; row i's logits land in logits row i. Returns, per row, its
         captured states (None for rows that did not ask)."""
+        batch = Batch(tuple(Row((r.token_id,), r.position, tuple(r.page_table),
+                                capture_hidden=r.capture_hidden) for r in rows), keep_logits=True)
+        return list(self.read(self.launch(batch)).hidden)
 
     @abstractmethod
     def sample(self, specs: Sequence[SampleSpec]) -> list[int]:
         """Pick a token for logits rows 0 .. len(specs)-1. Applies logit bias in place."""
-
-    def start_sample(self, specs: Sequence[SampleSpec]) -> Any:
-        """`sample` in two halves: start the picks (an engine on a device queues them and
-        their copy to the host without waiting) and return what `finish_sample` takes. A
-        decode may run between the halves."""
-        return self.sample(specs)
-
-    def finish_sample(self, started: Any) -> list[int]:
-        """The picks `start_sample` started, once they are on the host."""
-        picks: list[int] = started
-        return picks
 
     @abstractmethod
     def logits(self, num_rows: int) -> Any:
@@ -202,62 +189,3 @@ def resolve_tokens(batch: Batch, last_picks: Sequence[int | None] | None) -> lis
                                      "previous forward, which made none")
         out.append([pick])
     return out
-
-
-# ---- the adapter: an engine on the single-request calls behind launch / read --------------
-
-@dataclass
-class _LegacyStep:
-    picks: list[int | None]  # a row's pick once known
-    hidden: list[HiddenStates | None]
-    decoded: list[int]  # batch rows that ran as the one decode
-    started: list[tuple[list[int], Any]] = field(default_factory=list)  # rows, their picks
-    chains: bool = False  # a plain decode of every row: the next may chain on it
-
-
-def _legacy_picks(engine: Engine, step: _LegacyStep) -> list[int | None]:
-    for rows, started in step.started:
-        for i, tok in zip(rows, engine.finish_sample(started), strict=True):
-            step.picks[i] = tok
-    step.started.clear()
-    return step.picks
-
-
-def _legacy_launch(engine: Engine, batch: Batch) -> _LegacyStep:
-    """Rows of several tokens (or without a pick) run as prefills, one each; one-token rows
-    with a pick run as one decode. The decode's picks, and those of the last prefill that
-    picks, are read later (the engine holds two sets of picks in flight); other prefills'
-    picks are taken at once. A batch that repeats the previous plain decode row for row
-    chains on it."""
-    rows, last = batch.rows, engine._legacy_last
-    n = len(rows)
-    step = _LegacyStep([None] * n, [None] * n, [])
-    if (engine.supports_chaining and last is not None and last.chains
-            and len(last.decoded) == n
-            and all(r.from_pick == i and r.sample and not r.capture_hidden
-                    for i, r in enumerate(rows))):
-        engine.decode([DecodeRow(CHAINED, r.start, r.pages) for r in rows])
-        step.decoded, step.chains = list(range(n)), True
-    else:
-        tokens = resolve_tokens(batch, _legacy_picks(engine, last) if last else None)
-        step.decoded = [i for i, r in enumerate(rows) if r.length == 1 and r.sample]
-        prefills = [i for i, r in enumerate(rows) if not (r.length == 1 and r.sample)]
-        later = [i for i in prefills if rows[i].sample][-1:]  # run last, read later
-        for i in [i for i in prefills if i not in later] + later:
-            row = rows[i]
-            step.hidden[i] = engine.prefill(tokens[i], row.start, row.pages, row.capture_hidden)
-            if row.sample is not None and i in later:
-                step.started.append(([i], engine.start_sample([row.sample])))
-            elif row.sample is not None:
-                step.picks[i] = engine.sample([row.sample])[0]
-        if step.decoded:
-            hidden = engine.decode([DecodeRow(tokens[i][0], rows[i].start, rows[i].pages,
-                                              rows[i].capture_hidden) for i in step.decoded])
-            for i, hs in zip(step.decoded, hidden, strict=True):
-                step.hidden[i] = hs
-        step.chains = len(step.decoded) == n and not any(r.capture_hidden for r in rows)
-    if step.decoded:
-        specs = [rows[i].sample for i in step.decoded]
-        step.started.append((step.decoded, engine.start_sample(specs)))  # type: ignore[arg-type]
-    engine._legacy_last = step
-    return step

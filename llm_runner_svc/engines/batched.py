@@ -5,7 +5,7 @@ rows into passes of at most `plan.max_tokens` tokens (`batch.split_passes`), gat
 row's captured states across passes and samples the rows that ask for a pick. A subclass
 implements only `_run(pass)`. Everything runs inside `launch`, so `read` has nothing left to
 wait for. The single-request calls (`prefill`, `decode`, `sample`, `logits`) are one-row or
-one-token batches, kept for tools and engine-level tests.
+one-token batches (Engine), kept for tools and engine-level tests.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from llm_runner_svc.engines.base import (
-    DecodeRow,
     Engine,
     EnginePlan,
     HiddenStates,
@@ -27,6 +26,27 @@ from llm_runner_svc.engines.base import (
 from llm_runner_svc.engines.batch import Batch, Pass, Row, StepOutput, split_passes
 from llm_runner_svc.engines.numpy_sampling import apply_logit_bias, sample_rows
 from llm_runner_svc.errors import FailedPrecondition
+
+
+class CapturedStates:
+    """Each row's captured states, gathered pass by pass (a row may span passes)."""
+
+    def __init__(self, rows: Sequence[Row]) -> None:
+        self.rows = rows
+        self._parts: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in rows]
+
+    def add(self, p: Pass, embeddings: np.ndarray, states: np.ndarray) -> None:
+        """The states [pass tokens, hidden] of pass `p`, in pass order (copied)."""
+        for seg in p.segments:
+            if self.rows[seg.row].capture_hidden:
+                span = slice(seg.offset, seg.offset + len(seg.tokens))
+                self._parts[seg.row].append((embeddings[span].copy(), states[span].copy()))
+
+    def joined(self) -> list[HiddenStates | None]:
+        return [HiddenStates(np.concatenate([e for e, _ in parts]),
+                             np.concatenate([s for _, s in parts]), row.start)
+                if row.capture_hidden else None
+                for row, parts in zip(self.rows, self._parts, strict=True)]
 
 
 class BatchedEngine(Engine):
@@ -53,18 +73,12 @@ class BatchedEngine(Engine):
         check_batch(self.config, plan, batch)
         tokens = resolve_tokens(batch, self._last_picks)
         rows = batch.rows
-        caps: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in rows]
+        caps = CapturedStates(rows)
         for p in split_passes(batch, tokens, plan.max_tokens, plan.prefill_chunk):
             states = self._run(p)
-            if states is None:
-                continue
-            for seg in p.segments:
-                if rows[seg.row].capture_hidden:
-                    span = slice(seg.offset, seg.offset + len(seg.tokens))
-                    caps[seg.row].append((states[0][span].copy(), states[1][span].copy()))
-        hidden = [HiddenStates(np.concatenate([e for e, _ in c]),
-                               np.concatenate([s for _, s in c]), row.start)
-                  if row.capture_hidden else None for row, c in zip(rows, caps, strict=True)]
+            if states is not None:
+                caps.add(p, *states)
+        hidden = caps.joined()
         picks: list[int | None] = [None] * len(rows)
         chosen = [i for i, r in enumerate(rows) if r.sample is not None]
         if chosen:
@@ -79,17 +93,7 @@ class BatchedEngine(Engine):
     def read(self, handle: StepOutput) -> StepOutput:
         return handle
 
-    # ---- single-request calls ------------------------------------------------------------
-    def prefill(self, token_ids: Sequence[int], start_pos: int, page_table: Sequence[int],
-                capture_hidden: bool = False) -> HiddenStates | None:
-        row = Row(tuple(token_ids), start_pos, tuple(page_table), capture_hidden=capture_hidden)
-        return self.launch(Batch((row,), keep_logits=True)).hidden[0]
-
-    def decode(self, rows: Sequence[DecodeRow]) -> list[HiddenStates | None]:
-        batch = Batch(tuple(Row((r.token_id,), r.position, tuple(r.page_table),
-                                capture_hidden=r.capture_hidden) for r in rows), keep_logits=True)
-        return list(self.launch(batch).hidden)
-
+    # ---- single-request calls (`prefill` and `decode` come from Engine) ------------------
     def sample(self, specs: Sequence[SampleSpec]) -> list[int]:
         self._checked_plan()
         logits = self._logits[:len(specs)]

@@ -8,44 +8,41 @@ decode step as a CUDA graph captured per batch-size bucket in `preallocate()`. A
 float32 activations with the norms and epilogues fused around them
 (torch_triton_products.py); longer prefill batches multiply on cuBLAS in bf16 at the tensor
 cores' full rate, and attend with one FlashAttention-style launch over the paged pool
-(torch_triton_prefill.py). Decode attention reads only the filled pages of each row. A
-decode step's one host synchronisation is the copy of its new token ids, and it can be
-chained: a decode may take the previous decode's picks where they lie on the device, so the
-runtime queues step n+1 before it waits for step n. Hidden states stay staged on the device
-unless a row asked for them.
+(torch_triton_prefill.py). Decode attention reads only the filled pages of each row.
 
-`prefill_batch` runs chunks of several requests (each some new tokens after the positions
-already in its pages) in one forward; `prefill` is one request's prompt, chunk by chunk.
+A step (`launch`) is a decode when every row is one token, else one prefill forward over all
+rows (see `launch`). A step's one host synchronisation is the copy of its picks, made in
+`read` after the next step is launched; a row that feeds the previous step's pick takes it
+on the device (torch_picks.py). Hidden states stay staged on the device unless a row asked
+for them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from llm_runner_svc.engines.base import (
-    CHAINED,
     DecodeRow,
     Engine,
     EnginePlan,
     HiddenStates,
     SampleSpec,
+    check_batch,
     check_hidden_layer,
-    check_prefill_fits,
-    check_token_ids,
     is_same_plan,
 )
-from llm_runner_svc.engines.numpy_sampling import apply_logit_bias as host_logit_bias
-from llm_runner_svc.engines.numpy_sampling import sample_rows
+from llm_runner_svc.engines.batch import Batch, Row, StepOutput, split_passes
+from llm_runner_svc.engines.batched import CapturedStates
 from llm_runner_svc.engines.torch_forward import Forward, has_float32_products
 from llm_runner_svc.engines.torch_graphs import DecodeGraphs, InputStager
 from llm_runner_svc.engines.torch_ops import TorchOps
+from llm_runner_svc.engines.torch_picks import Picks, Started
 from llm_runner_svc.engines.torch_prefill import PrefillChunk, PrefillStager
-from llm_runner_svc.engines.torch_sampling import apply_logit_bias, sample_on_device
-from llm_runner_svc.engines.torch_state import allocate_state, decode_views
+from llm_runner_svc.engines.torch_state import allocate_state, decode_views, pass_tokens
 from llm_runner_svc.engines.torch_weights import TorchWeights, load_weights
 from llm_runner_svc.errors import FailedPrecondition, InvalidArgument
 from llm_runner_svc.models.spec import ModelConfig, ModelWeights
@@ -55,6 +52,22 @@ FUSED_ROWS = 1  # batch 1; the fused kernel's few-row variants lose to cuBLAS
 # Prefill batches up to this many tokens keep float32 activations (the parity tests' windows
 # among them); past it cuBLAS's bf16 products are what makes a long prompt fast.
 FUSED_PREFILL_ROWS = 64
+_PLACEHOLDER = SampleSpec(0.0, 0, 1.0)  # the pick of a row without a spec (not returned)
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A launched step: its picks on their way to the host, which rows asked for one, and
+    the states captured at launch."""
+
+    picks: Started
+    sampled: tuple[bool, ...]
+    hidden: list[HiddenStates | None]
+
+
+def _token(row: Row, i: int) -> int:
+    """Token i of `row`; -1-j for the pick of row j of the previous forward."""
+    return -1 - row.from_pick if row.from_pick is not None else row.tokens[i]
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -74,7 +87,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 class TorchEngine(Engine):
     name = "torch"
-    supports_chaining = True
 
     def __init__(self, config: ModelConfig, weights: ModelWeights | TorchWeights,
                  device: str | torch.device | None = None, dtype: str | None = None,
@@ -109,7 +121,6 @@ class TorchEngine(Engine):
             weights, config, self.device, self.dtype)
         self._plan: EnginePlan | None = None
         self._bytes = 0
-        self._greedy_ready = False
 
     # ---- lifecycle -------------------------------------------------------------------
     def preallocate(self, plan: EnginePlan) -> None:
@@ -129,7 +140,7 @@ class TorchEngine(Engine):
             c, plan, plan.max_batch, self.device, self.dtype, has_wide_scratch=not has_f32,
             fused_rows=max(self.fused_rows, self.fused_prefill_rows) if has_fused else 0)
         self.prefill_stager = PrefillStager(
-            max_tokens=max(plan.max_batch, plan.prefill_chunk), max_chunks=plan.max_batch,
+            max_tokens=pass_tokens(plan), max_chunks=plan.max_batch,
             pages=self.state.pages_per_seq, page_size=plan.page_size,
             scratch_page=plan.num_pages, device=self.device)
         self._bytes = self.state.nbytes + self.prefill_stager.nbytes
@@ -152,19 +163,16 @@ class TorchEngine(Engine):
                 self.graphs = DecodeGraphs(self.forward, self.state, plan.max_batch,
                                            capture_hidden=plan.hidden_layer is not None)
                 self.graphs.capture()
-        self._last_batch = 0
-        self._turn = 0
-        if self.device.type == "cuda":  # two sets: a step's picks land while the last's wait
-            self._done = (torch.cuda.Event(), torch.cuda.Event())
-            self._ids_host = torch.zeros((2, plan.max_batch), dtype=torch.int64,
-                                         pin_memory=True)
+        self.picks = Picks(self.state.logits, self.state.next_ids, pass_tokens(plan))
+        self._bytes += self.picks.nbytes
+        self._last_sampled: tuple[bool, ...] = ()  # which rows of the last forward picked
 
     def close(self) -> None:
         if self._plan is None:
             return
         if self.graphs is not None:
             self.graphs.close()
-        for name in ("graphs", "stager", "prefill_stager", "forward", "state"):
+        for name in ("graphs", "stager", "prefill_stager", "forward", "picks", "state"):
             delattr(self, name)
         self._plan = None
         self._bytes = 0
@@ -188,105 +196,85 @@ class TorchEngine(Engine):
             raise FailedPrecondition("engine used before preallocate()")
         return self._plan
 
-    # ---- forward ---------------------------------------------------------------------
-    def prefill(self, token_ids: Sequence[int], start_pos: int, page_table: Sequence[int],
-                capture_hidden: bool = False) -> HiddenStates | None:
+    # ---- steps -----------------------------------------------------------------------
+    def launch(self, batch: Batch) -> Launched:
+        """A batch of one-token rows runs as a decode step (its captured graph on CUDA);
+        any other batch as prefill forwards over every row at once (a decode row is a
+        one-token chunk), so a step with a prompt chunk reads the weights once, not once
+        for the chunk and again for the decodes. Nothing here waits on the device unless a
+        row captures hidden states."""
         plan = self._need_plan()
-        check_prefill_fits(plan, len(token_ids), start_pos)
-        parts = [self.prefill_batch([PrefillChunk(token_ids[lo:lo + plan.prefill_chunk],
-                                                  start_pos + lo, page_table)],
-                                    capture_hidden)[0]
-                 for lo in range(0, len(token_ids), plan.prefill_chunk)]
-        if not capture_hidden:
-            return None
-        caps = [p for p in parts if p is not None]
-        return HiddenStates(embeddings=np.concatenate([p.embeddings for p in caps]),
-                            states=np.concatenate([p.states for p in caps]),
-                            start_position=start_pos)
+        check_batch(self.config, plan, batch)
+        rows = batch.rows
+        feeds = any(r.from_pick is not None for r in rows)
+        if feeds:
+            last = self._last_sampled
+            for r in rows:
+                j = r.from_pick
+                if j is not None and not (0 <= j < len(last) and last[j]):
+                    raise FailedPrecondition(f"a row feeds the pick of row {j} of the "
+                                             "previous forward, which made none")
+        if all(r.length == 1 for r in rows):
+            hidden, has_argmax = self._decode(rows, feeds), True
+        else:
+            hidden, has_argmax = self._prefill(batch, feeds), False
+        specs = [r.sample or _PLACEHOLDER for r in rows]
+        self._last_sampled = tuple(r.sample is not None for r in rows)
+        return Launched(self.picks.start(specs, has_argmax), self._last_sampled, hidden)
 
-    def prefill_batch(self, chunks: Sequence[PrefillChunk], capture_hidden: bool = False
-                      ) -> list[HiddenStates | None]:
-        """One forward over `chunks` (each some new tokens of one request after the
-        positions already in its pages; together at most max(maxBatch, prefill_chunk)
-        tokens in at most maxBatch chunks): their k and v go into the pool and logits row i
-        is chunk i's last token's. Returns, per chunk, its window's states when
-        `capture_hidden` (a plan with a hidden layer), else None."""
-        plan = self._need_plan()
-        num_tokens = self.prefill_stager.check(chunks, plan.max_seq)
-        for ch in chunks:
-            check_token_ids(self.config, ch.token_ids)
-        layout = self.prefill_stager.stage(chunks, self.forward.ops.prefill_block(num_tokens))
-        capture = capture_hidden and plan.hidden_layer is not None
-        self.forward.prefill(layout, capture)
-        self._greedy_ready = False
-        self._last_batch = 0  # the picks a chained decode would read are overwritten
-        if not capture:
-            return [None] * len(chunks)
-        s = self.state
-        emb, states = _host_copy(s.cap_emb[:num_tokens]), _host_copy(s.cap_state[:num_tokens])
-        return [HiddenStates(emb[first:first + n], states[first:first + n], start)
-                for first, n, start in layout.spans]
+    def read(self, handle: Launched) -> StepOutput:
+        picks = self.picks.wait(handle.picks)
+        return StepOutput([p if wanted else None
+                           for p, wanted in zip(picks, handle.sampled, strict=True)],
+                          handle.hidden)
 
-    def decode(self, rows: Sequence[DecodeRow]) -> list[HiddenStates | None]:
-        plan = self._need_plan()
+    def _decode(self, rows: Sequence[Row], feeds: bool) -> list[HiddenStates | None]:
+        plan, s = self._need_plan(), self.state
         b = len(rows)
-        if not 0 < b <= plan.max_batch:
-            raise InvalidArgument(f"decode batch of {b} rows; maxBatch is {plan.max_batch}")
-        if max(r.position for r in rows) >= plan.max_seq:
-            raise InvalidArgument(f"decode position beyond maxSeq {plan.max_seq}")
-        is_chained = rows[0].token_id == CHAINED
-        if is_chained and (b != self._last_batch
-                           or any(r.token_id != CHAINED for r in rows)):
-            raise FailedPrecondition("a chained decode takes every row of the previous decode")
-        if not is_chained:
-            check_token_ids(self.config, [r.token_id for r in rows])
-        self._last_batch = b
         capture = plan.hidden_layer is not None and any(r.capture_hidden for r in rows)
         bucket = self.graphs.bucket_for(b) if self.graphs is not None else b
-        self.stager.stage(rows, bucket)
-        if is_chained:  # the previous picks, still where the last step left them
-            self.state.inputs[:b].copy_(self.state.next_ids[:b])
+        self.stager.stage([DecodeRow(_token(r, 0), r.start, r.pages) for r in rows], bucket)
+        if feeds:
+            self.picks.feed(s.inputs[:b])
         if self.graphs is not None:
             self.graphs.replay(bucket)
         else:
-            ids, positions, tables = decode_views(self.state, b)
+            ids, positions, tables = decode_views(s, b)
             self.forward.decode(b, ids, positions, tables, capture)
-        self._greedy_ready = True
         if not capture:
             return [None] * b
-        emb, states = _host_copy(self.state.cap_emb[:b]), _host_copy(self.state.cap_state[:b])
-        return [HiddenStates(emb[i:i + 1], states[i:i + 1], r.position)
+        emb, states = _host_copy(s.cap_emb[:b]), _host_copy(s.cap_state[:b])
+        return [HiddenStates(emb[i:i + 1], states[i:i + 1], r.start)
                 if r.capture_hidden else None for i, r in enumerate(rows)]
 
+    def _prefill(self, batch: Batch, feeds: bool) -> list[HiddenStates | None]:
+        """Forwards of up to a pass's tokens each (one, unless the batch holds more than the
+        runtime's step budget); each row's last residual goes to `x_last` at its row, and one
+        head then gives every row's logits."""
+        plan, s, stager = self._need_plan(), self.state, self.prefill_stager
+        rows = batch.rows
+        tokens = [[_token(r, i) for i in range(r.length)] for r in rows]
+        capture = plan.hidden_layer is not None and any(r.capture_hidden for r in rows)
+        caps = CapturedStates(rows)
+        for p in split_passes(batch, tokens, stager.max_tokens, stager.max_tokens):
+            chunks = [PrefillChunk(seg.tokens, seg.start, seg.pages,
+                                   seg.row if seg.is_last else plan.max_batch)
+                      for seg in p.segments]
+            stager.check(chunks, plan.max_seq)
+            layout = stager.stage(chunks, self.forward.ops.prefill_block(p.num_tokens))
+            if feeds and any(rows[seg.row].from_pick is not None for seg in p.segments):
+                self.picks.feed(layout.ids)
+            self.forward.prefill(layout, capture and p.capture)
+            if capture and p.capture:
+                caps.add(p, _host_copy(s.cap_emb[:p.num_tokens]),
+                         _host_copy(s.cap_state[:p.num_tokens]))
+        n = len(rows)
+        self.forward.head(s.x_last[:n], self.forward.fuses(n, is_decode=False))
+        return caps.joined() if capture else [None] * n
+
     def sample(self, specs: Sequence[SampleSpec]) -> list[int]:
-        return self.finish_sample(self.start_sample(specs))
-
-    def start_sample(self, specs: Sequence[SampleSpec]) -> Any:
         self._need_plan()
-        n = len(specs)
-        s = self.state
-        if self.device.type == "cpu":
-            logits = s.logits[:n].numpy()
-            host_logit_bias(logits, specs)
-            picks = sample_rows(logits, specs)
-            s.next_ids[:n].numpy()[:] = picks  # where a chained decode reads them
-            return picks
-        is_plain = all(sp.is_greedy and not sp.logit_bias for sp in specs)
-        if not (is_plain and self._greedy_ready):
-            apply_logit_bias(s.logits[:n], specs)
-            sample_on_device(s.logits[:n], specs, s.next_ids[:n])
-        turn = self._turn = 1 - self._turn
-        self._ids_host[turn, :n].copy_(s.next_ids[:n], non_blocking=True)
-        self._done[turn].record()
-        return turn, n
-
-    def finish_sample(self, started: Any) -> list[int]:
-        if self.device.type == "cpu":
-            return super().finish_sample(started)
-        turn, n = started
-        self._done[turn].synchronize()  # the step's one wait on the device
-        picks: list[int] = self._ids_host[turn, :n].tolist()
-        return picks
+        return self.picks.wait(self.picks.start(specs, has_argmax=False))
 
     def logits(self, num_rows: int) -> np.ndarray:
         self._need_plan()

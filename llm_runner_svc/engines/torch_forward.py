@@ -195,8 +195,9 @@ class Forward:
 
     def prefill(self, layout: PrefillLayout, capture: bool) -> None:
         """Every chunk of a staged prefill batch: their k and v into the pool, causal
-        attention over each chunk's pages, and logits row i from chunk i's last token.
-        States of every token are staged when `capture`."""
+        attention over each chunk's pages, and each chunk's last residual row into
+        `x_last` at its `dest` row (`head` turns those rows into logits). States of every
+        token are staged when `capture`."""
         s, n = self.s, layout.num_tokens
 
         def attend(li: int, qkv: torch.Tensor, out: torch.Tensor) -> None:
@@ -205,6 +206,4 @@ class Forward:
         self.embed(layout.ids, n, capture)
         self.layers(n, layout.positions, layout.slots, attend, capture,
                     self.fuses(n, is_decode=False))
-        rows = len(layout.spans)
-        torch.index_select(s.x[:n], 0, layout.last, out=s.x_last[:rows])
-        self.head(s.x_last[:rows], self.fuses(rows, is_decode=False))
+        s.x_last.index_copy_(0, layout.dest, s.x[:n].index_select(0, layout.last))

@@ -2,7 +2,8 @@
 
 `InputStager` writes a batch's token ids, positions and page tables into one packed int32
 buffer (pinned host memory on CUDA, then a single asynchronous copy), rewriting a row's page
-table only when that row's table changed. `DecodeGraphs` captures one decode step per
+table only when that row's table changed (compared by content: a request's page list is
+emptied and refilled in place when it is preempted). `DecodeGraphs` captures one decode step per
 batch-size bucket; a batch runs in the smallest bucket that holds it, its padding rows aimed
 at the scratch page.
 """
@@ -39,7 +40,7 @@ class InputStager:
         self._pages = state.pages_per_seq
         self._scratch = scratch_page
         self._bucket = 0
-        self._rows: list[tuple[object, int] | None] = []  # (page list, its length) per row
+        self._rows: list[list[int] | None] = []  # the page table staged per row
 
     def stage(self, rows: Sequence[DecodeRow], bucket: int) -> None:
         """Write `rows` (padded to `bucket`) and start their copy to the device."""
@@ -58,11 +59,11 @@ class InputStager:
         ids[:b] = [r.token_id for r in rows]
         pos[:b] = [r.position for r in rows]
         for i, r in enumerate(rows):
-            table, cached = r.page_table, self._rows[i]
-            if cached is None or cached[0] is not table or cached[1] != len(table):
+            table = list(r.page_table)
+            if self._rows[i] != table:
                 m = min(len(table), pages)
                 tables[i, :m] = table[:m]
-                self._rows[i] = (table, len(table))
+                self._rows[i] = table
         for i in range(b, bucket):
             if self._rows[i] is not None:
                 ids[i] = pos[i] = 0

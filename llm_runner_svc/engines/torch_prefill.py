@@ -4,9 +4,10 @@ A chunk is some new tokens of one request appended after the positions its KV pa
 hold: positions `start .. start + len - 1`, attending causally to positions 0 .. their own.
 A forward packs every chunk's tokens one after another (T tokens in all). `PrefillStager`
 writes what the forward needs to know about them (each token's id, position and pool row;
-each chunk's page table and last token; the attention's query blocks) into one int64 buffer
-and copies it to the device in one transfer; `PrefillLayout` holds views of it. The last
-token of chunk i gives logits row i.
+each chunk's page table, last token and the row its last token's residual goes to; the
+attention's query blocks) into one int64 buffer and copies it to the device in one transfer;
+`PrefillLayout` holds views of it. A negative token id -1-j stands for the pick of row j of
+the previous forward, which the engine writes in on the device (`feed_picks`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class PrefillChunk:
     token_ids: Sequence[int]
     start: int
     page_table: Sequence[int]  # page ids holding positions 0 .. start + len - 1
+    dest: int  # the row of `RunState.x_last` that takes the last token's residual
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class PrefillLayout:
     positions: torch.Tensor  # [T] int64
     slots: torch.Tensor  # [T] int64 pool row each token's k and v go to
     last: torch.Tensor  # [R] int64 packed index of each chunk's last token
+    dest: torch.Tensor  # [R] int64 the x_last row each chunk's last token goes to
     tables: torch.Tensor  # [R, pages] int64 each chunk's page table, the scratch page past it
     blocks: torch.Tensor  # [B, 4] int64 attention query blocks: chunk, first token, its
     #                       position, tokens; the longest attention first
@@ -56,7 +59,7 @@ class PrefillStager:
         self.max_tokens, self.max_chunks = max_tokens, max_chunks
         self.pages, self.page_size, self.scratch = pages, page_size, scratch_page
         max_blocks = max_tokens // self.MIN_BLOCK + max_chunks
-        size = 3 * max_tokens + max_chunks * (1 + pages) + 4 * max_blocks
+        size = 3 * max_tokens + max_chunks * (2 + pages) + 4 * max_blocks
         self._device = torch.zeros(size, dtype=torch.int64, device=device)
         self._is_cuda = device.type == "cuda"
         if self._is_cuda:
@@ -98,8 +101,8 @@ class PrefillStager:
         r, p, ps = len(chunks), self.pages, self.page_size
         buf = self._np
         ids, pos, slots = buf[:t], buf[t:2 * t], buf[2 * t:3 * t]
-        last = buf[3 * t:3 * t + r]
-        tables = buf[3 * t + r:3 * t + r + r * p].reshape(r, p)
+        last, dest = buf[3 * t:3 * t + r], buf[3 * t + r:3 * t + 2 * r]
+        tables = buf[3 * t + 2 * r:3 * t + 2 * r + r * p].reshape(r, p)
         tables[:] = self.scratch
         spans, blocks = [], []
         first = 0
@@ -111,12 +114,12 @@ class PrefillStager:
             here = np.arange(ch.start, ch.start + n, dtype=np.int64)
             pos[first:first + n] = here
             slots[first:first + n] = tables[i, here // ps] * ps + here % ps
-            last[i] = first + n - 1
+            last[i], dest[i] = first + n - 1, ch.dest
             spans.append((first, n, ch.start))
             blocks += [(i, first + q, ch.start + q, min(block, n - q)) for q in range(0, n, block)]
             first += n
         blocks.sort(key=lambda b: -(b[2] + b[3]))  # the most keys first: they finish last
-        lo = 3 * t + r + r * p
+        lo = 3 * t + 2 * r + r * p
         buf[lo:lo + 4 * len(blocks)] = np.asarray(blocks, dtype=np.int64).reshape(-1)
         used = lo + 4 * len(blocks)
         if self._is_cuda:
@@ -125,5 +128,6 @@ class PrefillStager:
         d = self._device
         return PrefillLayout(
             num_tokens=t, ids=d[:t], positions=d[t:2 * t], slots=d[2 * t:3 * t],
-            last=d[3 * t:3 * t + r], tables=d[3 * t + r:lo].view(r, p),
+            last=d[3 * t:3 * t + r], dest=d[3 * t + r:3 * t + 2 * r],
+            tables=d[3 * t + 2 * r:lo].view(r, p),
             blocks=d[lo:used].view(-1, 4), spans=tuple(spans), block=block)

@@ -1,8 +1,8 @@
 """The torch engine's mutable run state: every buffer a forward touches, claimed once.
 
-`rows` is the most positions one forward carries (the largest decode batch or a prefill
-batch). The KV pool has one page more than the plan: padding rows of a captured batch size
-read and write that scratch page, never a request's. The fused products' float32
+`rows` is the most positions one forward carries (`pass_tokens`: a step's decode rows and
+prefill chunks together). The KV pool has one page more than the plan: padding rows of a
+captured batch size read and write that scratch page, never a request's. The fused products' float32
 activations are needed only by forwards of up to `fused_rows` rows.
 """
 
@@ -38,8 +38,9 @@ class RunState:
     sin: torch.Tensor  # [max_seq, head_dim / 2] float32
     arange: torch.Tensor  # [max_seq] int32 positions of a prefill window
     inputs: torch.Tensor  # [batch * (2 + pages_per_seq)] int32: ids | positions | tables
-    x_last: torch.Tensor  # [max_batch, hidden] float32 residual rows of prefill chunks' last
-    #                       tokens
+    x_last: torch.Tensor  # [max_batch + 1, hidden] float32 residual rows of prefill chunks'
+    #                       last tokens by batch row; the extra row takes chunks whose row
+    #                       goes on in a later pass
     wide: torch.Tensor  # [max(rows * hidden, max_batch * vocab)] product scratch, when needed
 
     @property
@@ -49,6 +50,12 @@ class RunState:
     @property
     def pages_per_seq(self) -> int:
         return self.inputs.numel() // self.logits.shape[0] - 2
+
+
+def pass_tokens(plan: EnginePlan) -> int:
+    """Tokens in one forward: a whole step under the runtime's budget (so a step reads the
+    weights once), and at least a decode batch or a prefill chunk."""
+    return max(plan.max_tokens, plan.step_tokens)
 
 
 def decode_views(state: RunState, batch: int) -> tuple[torch.Tensor, ...]:
@@ -62,7 +69,7 @@ def decode_views(state: RunState, batch: int) -> tuple[torch.Tensor, ...]:
 def allocate_state(config: ModelConfig, plan: EnginePlan, max_batch: int, device: torch.device,
                    dtype: torch.dtype, has_wide_scratch: bool, fused_rows: int) -> RunState:
     c = config
-    rows = max(max_batch, plan.prefill_chunk)
+    rows = pass_tokens(plan)
     pages_per_seq = -(-plan.max_seq // plan.page_size)
     pool_rows = (plan.num_pages + 1) * plan.page_size
     cos, sin = rope_tables(plan.max_seq, c.head_dim, c.rope_theta, device)
@@ -92,6 +99,6 @@ def allocate_state(config: ModelConfig, plan: EnginePlan, max_batch: int, device
         cap_emb=f32(cap_rows, c.hidden_size), cap_state=f32(cap_rows, c.hidden_size),
         cos=cos, sin=sin,
         arange=torch.arange(plan.max_seq, dtype=torch.int32, device=device),
-        inputs=inputs, x_last=f32(max_batch, c.hidden_size),
+        inputs=inputs, x_last=f32(max_batch + 1, c.hidden_size),
         wide=act(max(rows * c.hidden_size, max_batch * c.vocab_size) if has_wide_scratch
                  else 0))

@@ -51,7 +51,7 @@ class InferenceRuntime(SequenceAdvance):
         self.plan = EnginePlan(
             max_batch=config.max_batch, max_seq=self.max_seq, page_size=config.page_size,
             num_pages=self._pool_pages(), prefill_chunk=config.prefill_chunk,
-            hidden_layer=config.hidden_layer)
+            hidden_layer=config.hidden_layer, step_tokens=self.step_tokens)
         self.pages = PagePool(self.plan.num_pages, config.page_size)
         self.prefix_cache = PrefixCache(
             self.pages, f"{engine.name}|{engine.config!r}|{config.page_size}",

@@ -11,7 +11,7 @@ from parity.conftest import build_hf_model
 
 from llm_runner_svc.engines import create_engine
 from llm_runner_svc.engines.base import DecodeRow, EnginePlan
-from llm_runner_svc.engines.torch_prefill import PrefillChunk
+from llm_runner_svc.engines.batch import Batch, Row
 from llm_runner_svc.errors import FailedPrecondition, InvalidArgument
 from llm_runner_svc.models import load_model
 from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
@@ -143,24 +143,25 @@ def test_lifecycle_and_bad_input_are_typed_errors(stories):
             _plan(hidden_layer=0))
 
 
-def prefill_batch_against_solo(model, **engine_options):
-    """Three requests' chunks in one `prefill_batch` (one of them after 10 positions it
-    prefilled before, on pages out of order), and each request prefilled alone in one call
-    on a second engine: returns per request ((batch logits, batch states), (solo logits,
-    solo states))."""
+def prefill_batch_against_solo(model, pass_tokens=64, **engine_options):
+    """Three requests' chunks in one batch (one of them after 10 positions it prefilled
+    before, on pages out of order; in passes of `pass_tokens`), and each request prefilled
+    alone in one call on a second engine: returns per request ((batch logits, batch states),
+    (solo logits, solo states))."""
     prompts = [[(7 * i + 3) % 300 + 1 for i in range(30)],
                [(11 * i + 5) % 300 + 1 for i in range(17)], [1, 9, 8, 7, 6]]
     tables = [[5, 2, 7, 0], [1, 3, 4], [6]]
-    plan = _plan(max_seq=32, hidden_layer=-1, prefill_chunk=64)
+    plan = _plan(max_seq=32, hidden_layer=-1, prefill_chunk=pass_tokens)
     engines = [create_engine("torch", model.config, model.weights, **engine_options)
                for _ in range(2)]
     for eng in engines:
         eng.preallocate(plan)
     batch, solo = engines
-    first = batch.prefill_batch([PrefillChunk(prompts[0][:10], 0, tables[0])], True)[0]
-    chunks = [PrefillChunk(prompts[0][10:], 10, tables[0]), PrefillChunk(prompts[1], 0, tables[1]),
-              PrefillChunk(prompts[2], 0, tables[2])]
-    states = batch.prefill_batch(chunks, capture_hidden=True)
+    first = batch.prefill(prompts[0][:10], 0, tables[0], capture_hidden=True)
+    rows = [Row(tuple(prompts[0][10:]), 10, tables[0], capture_hidden=True),
+            Row(tuple(prompts[1]), 0, tables[1], capture_hidden=True),
+            Row(tuple(prompts[2]), 0, tables[2], capture_hidden=True)]
+    states = batch.read(batch.launch(Batch(rows, keep_logits=True))).hidden
     logits = np.asarray(batch.logits(3))
     assert first is not None and all(s is not None for s in states)
     out = []
@@ -175,22 +176,23 @@ def prefill_batch_against_solo(model, **engine_options):
     return out
 
 
-def test_prefill_batch_matches_solo_prefills(stories):
-    """Chunks of several requests in one forward (float32, CPU) give each request the
-    logits and states of its own prefill."""
+@pytest.mark.parametrize("pass_tokens", [64, 8])
+def test_prefill_batch_matches_solo_prefills(stories, pass_tokens):
+    """Chunks of several requests in one forward, or spread over passes (float32, CPU),
+    give each request the logits and states of its own prefill."""
     for (logits, states), (want_logits, want_states) in prefill_batch_against_solo(
-            stories, device="cpu"):
+            stories, pass_tokens, device="cpu"):
         assert np.abs(logits - want_logits).max() < 1e-4
         assert np.linalg.norm(states - want_states) / np.linalg.norm(want_states) < 1e-5
 
 
-def test_prefill_batch_refuses_what_does_not_fit(stories):
+def test_a_batch_that_does_not_fit_is_refused(stories):
     eng = create_engine("torch", stories.config, stories.weights, device="cpu")
     eng.preallocate(_plan(prefill_chunk=16))
-    with pytest.raises(InvalidArgument, match="at most 16"):
-        eng.prefill_batch([PrefillChunk([1] * 10, 0, [0, 1]), PrefillChunk([1] * 7, 0, [2])])
-    with pytest.raises(InvalidArgument, match="page table"):
-        eng.prefill_batch([PrefillChunk([1] * 10, 0, [0])])
-    with pytest.raises(InvalidArgument, match="chunks"):
-        eng.prefill_batch([PrefillChunk([1], 0, [i]) for i in range(5)])
+    with pytest.raises(InvalidArgument, match="pages"):
+        eng.launch(Batch([Row((1,) * 10, 0, [0])], keep_logits=True))
+    with pytest.raises(InvalidArgument, match="maxBatch"):
+        eng.launch(Batch([Row((1,), 0, [i]) for i in range(5)], keep_logits=True))
+    with pytest.raises(InvalidArgument, match="maxSeq"):
+        eng.launch(Batch([Row((1,) * 10, 60, list(range(9)))], keep_logits=True))
     eng.close()
