@@ -39,6 +39,16 @@ def _start(cmd: list[str], pattern: str, env: dict[str, str] | None = None
     return proc, f"127.0.0.1:{m.group(1)}", line
 
 
+def terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM (the process drains), then SIGKILL if it is still there after 10 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 class StageProc:
     def __init__(self, config: Path | None = None, env: dict[str, str] | None = None,
                  metrics: bool = False) -> None:
@@ -70,12 +80,7 @@ class StageProc:
 
     def stop(self) -> None:
         self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        terminate(self.proc)
 
 
 class Deployment:
@@ -120,12 +125,7 @@ class Deployment:
 
     def close(self) -> None:
         self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        terminate(self.proc)
         for p in self.all_stages:
             p.stop()
 

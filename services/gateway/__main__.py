@@ -1,0 +1,58 @@
+"""`python -m services.gateway --orchestrator HOST:PORT [--host H] [--port P]`: the
+OpenAI-compatible HTTP API in front of a running orchestrator (`llm-runner up` starts one with
+its deployment). Exit codes: 0 after a clean stop (SIGTERM or Ctrl-C while serving), 2 an
+expected failure (one line on stderr), 130 Ctrl-C before serving."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from services.gateway.config import GatewayConfig
+
+_DEFAULTS = GatewayConfig()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
+    parser.add_argument("--orchestrator", default=_DEFAULTS.orchestrator,
+                        help=f"the orchestrator's host:port (default {_DEFAULTS.orchestrator})")
+    parser.add_argument("--host", default=_DEFAULTS.host,
+                        help="address to bind (0.0.0.0 for every interface; default "
+                             f"{_DEFAULTS.host})")
+    parser.add_argument("--port", type=int, default=_DEFAULTS.port,
+                        help=f"HTTP port (0 = any free; default {_DEFAULTS.port})")
+    parser.add_argument("--request-timeout-s", type=float, default=_DEFAULTS.request_timeout_s,
+                        help="deadline of each generation, seconds; past it the request is "
+                             "cancelled and answers 504 (default "
+                             f"{_DEFAULTS.request_timeout_s:g})")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics on this port (0 = any free; default off)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # read when grpc is imported, below
+    from services.gateway.server import serve
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = GatewayConfig(orchestrator=args.orchestrator, host=args.host, port=args.port,
+                               request_timeout_s=args.request_timeout_s)
+        asyncio.run(serve(config, args.metrics_port))
+    except ValueError as exc:
+        print(f"gateway: INVALID_ARGUMENT: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"gateway: UNAVAILABLE: cannot listen on {args.host}:{args.port} ({exc.strerror}): "
+              f"stop what listens there, or pick another port with --port (0 = any free port)",
+              file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gateway: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""An OpenAI request body -> a `Call`: what one generation asks of the orchestrator.
+
+`parse_chat` and `parse_completion` take the decoded JSON body and raise `InvalidArgument`
+(HTTP 400) naming the field (`param`) for anything malformed or not supported; they do not
+check value ranges the stages own (temperature, top_p, top_k, the prompt's length), which the
+stage refuses at Admit and which reach the caller as 400 too. Keys OpenAI defines that change
+nothing here (`store`, `metadata`, `parallel_tool_calls`, ...) are ignored; features this
+service cannot honour (tools, log probabilities, penalties, several choices) are refused rather
+than silently ignored. Extensions beyond OpenAI are top-level keys (what the `openai` client's
+`extra_body` sends): `top_k`, `ignore_eos`, `lora`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.errors import InvalidArgument
+
+MAX_SEED = (1 << 64) - 1
+MAX_TOKEN_ID = (1 << 31) - 1
+# OpenAI's roles; "developer" is its newer name for "system".
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# Features refused unless their value is one that asks for nothing (None, False, 0, 1, ...).
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "best_of": (None, 1),
+    "echo": (None, False), "suffix": (None, ""), "audio": (None,), "prediction": (None,),
+}
+_RESPONSE_FORMATS = (None, {"type": "text"})
+
+
+class BadField(InvalidArgument):
+    """A malformed or unsupported field; `param` names it as OpenAI's error bodies do."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Values replacing the deployment's defaults; None keeps the default."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Call:
+    """One generation: exactly one of `text`, `token_ids`, `messages` is set."""
+
+    kind: str  # "chat" or "completion"
+    model: str
+    is_stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content), oldest first
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    user: str = ""
+    ignore_eos: bool = False
+    lora: str = ""
+
+
+def parse_chat(body: Any) -> Call:
+    """A `/v1/chat/completions` body."""
+    body = _object(body)
+    _refuse_unsupported(body, _UNSUPPORTED)
+    if body.get("response_format") not in _RESPONSE_FORMATS:
+        raise BadField("response_format", "response_format other than text is not supported")
+    max_tokens = _opt_int(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _opt_int(body, "max_tokens", 1)
+    return Call(kind="chat", messages=_messages(body.get("messages")),
+                **_common(body, max_tokens))
+
+
+def parse_completion(body: Any) -> Call:
+    """A `/v1/completions` body: one prompt, as text or token ids."""
+    body = _object(body)
+    _refuse_unsupported(body, _UNSUPPORTED)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    common = _common(body, _opt_int(body, "max_tokens", 1))
+    if isinstance(prompt, str):
+        return Call(kind="completion", text=prompt, **common)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if not all(0 <= t <= MAX_TOKEN_ID for t in prompt):
+            raise BadField("prompt", "prompt token ids must be in [0, 2^31)")
+        return Call(kind="completion", token_ids=tuple(prompt), **common)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise BadField("prompt", "one prompt per request (send several requests)")
+    raise BadField("prompt", "prompt must be a string or a list of token ids")
+
+
+def _common(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadField("model", "model is required (GET /v1/models lists them)")
+    if body.get("n") not in (None, 1):
+        raise BadField("n", "n must be 1: one choice per request")
+    is_stream = _opt_bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not (is_stream and isinstance(options, dict)):
+        raise BadField("stream_options", "stream_options is an object, only with stream: true")
+    include_usage = bool(_opt_bool(options or {}, "include_usage"))
+    seed = _opt_int(body, "seed", 0)
+    if seed is not None and seed > MAX_SEED:
+        raise BadField("seed", "seed must be in [0, 2^64)")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise BadField("user", "user must be a string")
+    lora = body.get("lora")
+    if lora is not None and not isinstance(lora, str):
+        raise BadField("lora", "lora must be a string (an adapter name)")
+    sampling = Sampling(temperature=_opt_float(body, "temperature"),
+                        top_p=_opt_float(body, "top_p"), top_k=_opt_int(body, "top_k", 0),
+                        max_tokens=max_tokens, seed=seed)
+    return {"model": model, "is_stream": bool(is_stream), "include_usage": include_usage,
+            "sampling": sampling, "stop": _stop(body.get("stop")),
+            "logit_bias": _logit_bias(body.get("logit_bias")), "user": user or "",
+            "ignore_eos": bool(_opt_bool(body, "ignore_eos")), "lora": lora or ""}
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidArgument("the request body must be a JSON object")
+    return body
+
+
+def _refuse_unsupported(body: dict[str, Any], table: dict[str, tuple[Any, ...]]) -> None:
+    for key, neutral in table.items():
+        if key in body and body[key] not in neutral:
+            raise BadField(key, f"{key} is not supported by this server")
+
+
+def _messages(value: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, list) or not value:
+        raise BadField("messages", "messages must be a non-empty list")
+    out = []
+    for i, msg in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise BadField(where, f"{where} must be an object")
+        role = _ROLES.get(msg.get("role"))  # type: ignore[arg-type]
+        if role is None:
+            raise BadField(f"{where}.role", f"{where}.role must be one of "
+                           f"{', '.join(sorted(_ROLES))}, got {msg.get('role')!r}")
+        out.append((role, _content(msg.get("content"), f"{where}.content")))
+    return tuple(out)
+
+
+def _content(value: Any, where: str) -> str:
+    """A message's text: a string, or a list of text parts joined."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for part in value:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise BadField(where, f"{where}: only text parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise BadField(where, f"{where} must be a string or a list of text parts")
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,) if value else ()
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(s for s in value if s)
+    raise BadField("stop", "stop must be a string or a list of strings")
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise BadField("logit_bias", "logit_bias must be an object of token id -> bias")
+    out = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise BadField("logit_bias", f"logit_bias key {key!r} is not a token id") from None
+        if not 0 <= token <= MAX_TOKEN_ID:
+            raise BadField("logit_bias", f"logit_bias key {key!r} is out of range")
+        if not (_is_number(bias) and -100 <= bias <= 100):
+            raise BadField("logit_bias", f"logit_bias[{key}] must be a number in [-100, 100]")
+        out.append((token, float(bias)))
+    return tuple(out)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _opt_bool(body: dict[str, Any], key: str) -> bool | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise BadField(key, f"{key} must be true or false")
+    return value
+
+
+def _opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not _is_int(value) or value < minimum:
+        raise BadField(key, f"{key} must be an integer >= {minimum}")
+    return int(value)
+
+
+def _opt_float(body: dict[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not _is_number(value):
+        raise BadField(key, f"{key} must be a finite number")
+    return float(value)

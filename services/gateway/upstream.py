@@ -1,0 +1,141 @@
+"""The gateway's one dependency: the orchestrator over gRPC (Generate, Topology, health).
+
+`Upstream` owns one `grpc.aio` channel, shared by every HTTP request (HTTP/2 multiplexes
+them). Every failed call raises the `ServiceError` of its status (`services.errors.error_for`),
+so the HTTP side maps one set of typed errors; a channel that cannot connect is `Unavailable`
+naming the orchestrator's address. Only this module touches the contract's messages.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.contract.llmstage.v1 import orchestrator_pb2 as opb
+from services.contract.llmstage.v1 import orchestrator_pb2_grpc
+from services.contract.llmstage.v1 import stage_pb2 as pb
+from services.errors import NotFound, ServiceError, Unavailable, error_for
+from services.gateway.call import Call
+from services.telemetry import metadata_for
+
+log = logging.getLogger(__name__)
+
+_FINISH_NAMES = {
+    pb.FINISH_REASON_END_OF_SEQUENCE: "end_of_sequence",
+    pb.FINISH_REASON_MAX_LENGTH: "max_length",
+    pb.FINISH_REASON_STOP_WORDS: "stop_words",
+    pb.FINISH_REASON_CANCELLED: "cancelled",
+    pb.FINISH_REASON_ERROR: "error",
+}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """New text of the request's sink: one or more steps' tokens."""
+
+    text: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The end of a request; `finish_reason` is the contract's name ("end_of_sequence",
+    "max_length", "stop_words", "cancelled", "error")."""
+
+    finish_reason: str
+    error: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Upstream:
+    """A connection to the orchestrator at `target` ("host:port"). Create it inside the event
+    loop that uses it; `close()` ends calls still running."""
+
+    def __init__(self, target: str, max_message_bytes: int = 16 << 20) -> None:
+        self.target = target
+        self._channel = grpc.aio.insecure_channel(target, options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)])
+        self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._models: tuple[str, ...] = ()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def models(self, timeout_s: float = 10.0) -> tuple[str, ...]:
+        """The model ids: each stage whose text port is a sink of the topology, in the order
+        of its sinks. Raises like every call (Unavailable when the orchestrator is down)."""
+        try:
+            answer = await self._stub.Topology(opb.TopologyRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        ids = [s.split(":", 1)[0] for s in answer.sinks if s.endswith(":text")]
+        self._models = tuple(dict.fromkeys(ids))
+        return self._models
+
+    async def check_model(self, model: str) -> None:
+        """NotFound for a model the topology does not serve (the list is fetched again on a
+        miss, so it follows a restarted orchestrator)."""
+        if model in self._models or model in await self.models():
+            return
+        raise NotFound(f"model {model!r} does not exist; this deployment serves "
+                       f"{', '.join(self._models) or 'no text model'} (GET /v1/models)")
+
+    async def is_serving(self, timeout_s: float = 2.0) -> bool:
+        """Whether the orchestrator's health check answers SERVING."""
+        try:
+            answer = await self._health.Check(health_pb2.HealthCheckRequest(),
+                                               timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def generate(self, call: Call, request_id: str, timeout_s: float | None
+                       ) -> AsyncGenerator[Piece | Outcome, None]:
+        """Streams one generation: `Piece`s, then one `Outcome`. The current trace context
+        travels as the call's traceparent. Closing the iterator early (the HTTP client went
+        away) cancels the call, and the orchestrator finishes the request on every stage."""
+        rpc = self._stub.Generate(_request(call, request_id), timeout=timeout_s,
+                                  metadata=metadata_for())
+        try:
+            async for event in rpc:
+                if event.HasField("delta"):
+                    yield Piece(event.delta.text, len(event.delta.token_ids))
+                elif event.HasField("final"):
+                    final = event.final
+                    yield Outcome(_FINISH_NAMES.get(final.finish_reason, "error"), final.error,
+                                  final.usage.prompt_tokens, final.usage.completion_tokens)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        finally:
+            rpc.cancel()  # a no-op after a normal end
+
+    def _error(self, exc: grpc.aio.AioRpcError) -> ServiceError:
+        code, details = exc.code(), exc.details() or ""
+        if code is grpc.StatusCode.UNAVAILABLE and "connect" in details.lower():
+            return Unavailable(f"the orchestrator at {self.target} does not answer ({details})")
+        return error_for(code.name, details)
+
+
+def _request(call: Call, request_id: str) -> opb.GenerateRequest:
+    s = call.sampling
+    sampling = pb.SamplingOverrides(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                    max_tokens=s.max_tokens, seed=s.seed)
+    req = pb.GenerationRequest(request_id=request_id, sampling=sampling, stop=list(call.stop),
+                               logit_bias=dict(call.logit_bias), lora=call.lora,
+                               ignore_eos=call.ignore_eos)
+    if call.text is not None:
+        req.text = call.text
+    elif call.token_ids is not None:
+        req.token_ids.ids.extend(call.token_ids)
+    elif call.messages is not None:
+        req.messages.messages.extend(pb.ChatMessage(role=role, content=content)
+                                     for role, content in call.messages)
+    return opb.GenerateRequest(request=req, sinks=[f"{call.model}:text"])

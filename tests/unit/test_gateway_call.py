@@ -1,0 +1,80 @@
+"""OpenAI bodies -> Call: what is taken, what is refused (naming the field), what is ignored."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.errors import InvalidArgument
+from services.gateway.call import BadField, Sampling, parse_chat, parse_completion
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def test_a_chat_body_with_every_supported_field() -> None:
+    call = parse_chat({**CHAT, "messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text",
+                                                                      "text": "there"}]},
+        {"role": "assistant", "content": "Hello"}],
+        "max_tokens": 5, "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5,
+        "seed": 3, "stop": "x", "logit_bias": {"17": -100, "4": 2.5}, "user": "u1",
+        "stream": True, "stream_options": {"include_usage": True}, "top_k": 4,
+        "ignore_eos": True, "store": False, "metadata": {"a": "b"}, "n": 1, "logprobs": False})
+    assert call.kind == "chat" and call.model == "m"
+    assert call.messages == (("system", "Be brief."), ("user", "Hi there"),
+                             ("assistant", "Hello"))
+    assert call.sampling == Sampling(temperature=0.0, top_p=0.5, top_k=4, max_tokens=7, seed=3)
+    assert call.stop == ("x",) and call.logit_bias == ((17, -100.0), (4, 2.5))
+    assert call.is_stream and call.include_usage and call.ignore_eos and call.user == "u1"
+
+
+def test_completion_prompts() -> None:
+    assert parse_completion({"model": "m", "prompt": "Hi"}).text == "Hi"
+    assert parse_completion({"model": "m", "prompt": ["Hi"]}).text == "Hi"
+    assert parse_completion({"model": "m", "prompt": [1, 2]}).token_ids == (1, 2)
+    assert parse_completion({"model": "m", "prompt": [[1, 2]]}).token_ids == (1, 2)
+    defaults = parse_completion({"model": "m", "prompt": "Hi"})
+    assert defaults.sampling == Sampling() and not defaults.is_stream and defaults.stop == ()
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": CHAT["messages"]}, "model"),
+    ({**CHAT, "messages": []}, "messages"),
+    ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
+    ({**CHAT, "n": 2}, "n"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({**CHAT, "logprobs": True}, "logprobs"),
+    ({**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**CHAT, "max_tokens": 0}, "max_tokens"),
+    ({**CHAT, "max_tokens": True}, "max_tokens"),
+    ({**CHAT, "temperature": "hot"}, "temperature"),
+    ({**CHAT, "seed": -1}, "seed"),
+    ({**CHAT, "seed": 1 << 64}, "seed"),
+    ({**CHAT, "stop": [1]}, "stop"),
+    ({**CHAT, "logit_bias": {"x": 1}}, "logit_bias"),
+    ({**CHAT, "logit_bias": {"1": 101}}, "logit_bias"),
+    ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({**CHAT, "stream": "yes"}, "stream"),
+    ({**CHAT, "user": 5}, "user"),
+])
+def test_chat_refusals_name_the_field(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(BadField) as info:
+        parse_chat(body)
+    assert info.value.param == param and info.value.code == "INVALID_ARGUMENT"
+
+
+@pytest.mark.parametrize("prompt", [None, 5, [], ["a", "b"], [1, "a"], [-1], [[1], [2]]])
+def test_bad_completion_prompts(prompt: Any) -> None:
+    with pytest.raises(BadField) as info:
+        parse_completion({"model": "m", "prompt": prompt})
+    assert info.value.param == "prompt"
+
+
+def test_a_body_that_is_not_an_object() -> None:
+    with pytest.raises(InvalidArgument):
+        parse_chat(["not", "an", "object"])
