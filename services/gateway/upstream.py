@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.contract.llmstage.v1 import orchestrator_pb2 as opb
 from services.contract.llmstage.v1 import orchestrator_pb2_grpc
 from services.contract.llmstage.v1 import stage_pb2 as pb
-from services.errors import NotFound, ServiceError, Unavailable, error_for
+from services.errors import DeadlineExceeded, NotFound, ServiceError, Unavailable, error_for
 from services.gateway.call import Call
 from services.telemetry import metadata_for
 
@@ -113,14 +113,18 @@ class Upstream:
                     yield Outcome(_FINISH_NAMES.get(final.finish_reason, "error"), final.error,
                                   final.usage.prompt_tokens, final.usage.completion_tokens)
         except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from None
+            raise self._error(exc, timeout_s) from None
         finally:
             rpc.cancel()  # a no-op after a normal end
 
-    def _error(self, exc: grpc.aio.AioRpcError) -> ServiceError:
+    def _error(self, exc: grpc.aio.AioRpcError, timeout_s: float | None = None
+               ) -> ServiceError:
         code, details = exc.code(), exc.details() or ""
         if code is grpc.StatusCode.UNAVAILABLE and "connect" in details.lower():
             return Unavailable(f"the orchestrator at {self.target} does not answer ({details})")
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None:
+            return DeadlineExceeded(f"the request's deadline of {timeout_s:g} s passed before "
+                                    f"it finished ({details})")
         return error_for(code.name, details)
 
 
