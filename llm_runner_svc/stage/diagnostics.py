@@ -69,6 +69,7 @@ class StageSnapshot:
     hidden_shm_rings: int  # shared-memory rings the port holds
     hidden_shm_bytes: int  # and their bytes (of /dev/shm)
     admitting: int  # Admits still tokenizing
+    hidden_prompt_held_bytes: int = 0  # prompt states held until the prompt is prefilled
     prefix_cache_hits: int = 0  # requests that reused a cached prefix, since start
     prefix_cache_hit_tokens: int = 0  # positions they reused
     prefix_cache_pages: int = 0  # pages the prefix cache names (held or idle)
@@ -106,6 +107,7 @@ def stage_diagnostics(snap: StageSnapshot) -> dict[str, Any]:
         "hidden_bytes_published": snap.hidden_bytes_published,
         "hidden_max_lag": snap.hidden_max_lag,
         "hidden_shm_rings": snap.hidden_shm_rings, "hidden_shm_bytes": snap.hidden_shm_bytes,
+        "hidden_prompt_held_bytes": snap.hidden_prompt_held_bytes,
         "admitting": snap.admitting,
         "prefix_cache_hits": snap.prefix_cache_hits,
         "prefix_cache_hit_tokens": snap.prefix_cache_hit_tokens,

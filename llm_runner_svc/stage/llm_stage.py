@@ -41,7 +41,7 @@ from llm_runner_svc.stage.faults import runtime_factory_from_env
 from llm_runner_svc.stage.limits import RequestSizes
 from llm_runner_svc.stage.metrics import StageMetrics
 from llm_runner_svc.stage.publish import HiddenPublisher, Subscriber
-from llm_runner_svc.stage.publish_step import publish_step
+from llm_runner_svc.stage.publish_step import PromptWindows, publish_step
 from llm_runner_svc.stage.request import StageRequest
 from llm_runner_svc.stage.shm_budget import ShmBudget, ring_bytes_for
 from llm_runner_svc.stage.subscriber import check_subscribe
@@ -69,6 +69,7 @@ class LlmStage(StageCore):
             ShmBudget(config.shm_ring_bytes or ring_bytes_for(
                 model.config.hidden_size, runtime.max_seq, max_message_bytes),
                 config.max_shm_subscriptions, config.max_shm_bytes))
+        self.prompt_windows = PromptWindows()  # prompts prefilled in part, held back
         self.tokenizer = TokenizeWorker()
         self.metrics = StageMetrics(self.snapshot)
         self._tasks: set[asyncio.Task[None]] = set()  # port ends and closes sent on the side
@@ -96,6 +97,7 @@ class LlmStage(StageCore):
         await super().close()
         self.tokenizer.close()
         await self.hidden.close()
+        self.prompt_windows.clear()
         self.runtime.close()
 
     # ---- the contract ----------------------------------------------------------------
@@ -195,7 +197,8 @@ class LlmStage(StageCore):
             hidden_subscriptions=pub.num_subscriptions, hidden_shm_rings=pub.shm.num_rings,
             hidden_shm_bytes=pub.shm.num_bytes, admitting=self.tokenizer.num_pending,
             hidden_messages_published=pub.num_messages_published,
-            hidden_bytes_published=pub.num_bytes_published, hidden_max_lag=pub.max_lag)
+            hidden_bytes_published=pub.num_bytes_published, hidden_max_lag=pub.max_lag,
+            hidden_prompt_held_bytes=self.prompt_windows.num_bytes)
 
     async def subscribe(self, request_id: str | None, port: str, use_shm: bool
                         ) -> Subscriber:
@@ -236,8 +239,11 @@ class LlmStage(StageCore):
         self.hidden.begin_step()
         try:
             # This stage's stepper is the LLM runtime: its events are StepEvents.
-            await publish_step(self.hidden, cast(list[tuple[Slot, StepEvent]], pairs))
+            await publish_step(self.hidden, self.prompt_windows,
+                               cast(list[tuple[Slot, StepEvent]], pairs))
         finally:
+            self.prompt_windows.retain(s.request.request_id for s in self.slots
+                                       if s.run.ended is None)
             await self.hidden.flush_step()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -24,10 +24,12 @@ HIDDEN = StageConfig(max_seq=512, emits=("text", "tokens", "hidden"))
 PROMPT = "Once upon a time, in a big forest, there lived a little fox"
 
 
-def reference(stories: Model, seed: int, max_tokens: int, batch: int = 1) -> tuple[list, str]:
+def reference(stories: Model, seed: int, max_tokens: int, batch: int = 1,
+              max_tokens_per_step: int = 0) -> tuple[list, str]:
     """The (start_position, embeddings, states) windows the in-process runtime captures for
     the request (run `batch` times at once, as the stage batches them), and its finish reason."""
-    rt = make_runtime(stories, max_batch=8, max_seq=512, hidden_layer=-1)
+    rt = make_runtime(stories, max_batch=8, max_seq=512, hidden_layer=-1,
+                      max_tokens_per_step=max_tokens_per_step)
     try:
         ids = stories.tokenizer.encode(PROMPT)
         for i in range(batch):
@@ -138,6 +140,35 @@ def test_prefill_window_is_chunked_under_the_message_limit(stories: Model) -> No
     assert len(prefill) > 1 and all(m.states.nbytes * 2 < 8192 for m in prefill)
     assert_lossless(consumer.messages, reference(stories, 3, 5),
                     len(stories.tokenizer.encode(PROMPT)))
+
+
+def test_a_prompt_prefilled_over_several_steps_arrives_as_one_window(stories: Model) -> None:
+    """With 8 tokens a step the prompt is prefilled in three pieces; subscribers still get
+    one prefill window of the whole prompt first, the bytes the runtime captured, and the
+    stage holds nothing afterwards."""
+    cfg = StageConfig(max_seq=512, emits=("text", "tokens", "hidden"), max_tokens_per_step=8)
+    with StageServer(cfg) as srv:
+        consumer = Consumer(srv, "pieces")
+        diag = run_request(srv, 1, "pieces", max_tokens=5)["diagnostics"]
+        held = srv.stats()["hidden_prompt_held_bytes"]
+        consumer.join(30)
+    assert consumer.error is None and held == 0
+    prompt_len = len(stories.tokenizer.encode(PROMPT))
+    ref, reason = reference(stories, 3, 5, max_tokens_per_step=8)
+    pieces = [r for r in ref if r[0] < prompt_len]
+    assert [r[0] for r in pieces] == [0, 8, 16]  # the runtime did prefill in pieces
+    first = consumer.messages[0]
+    assert first.is_prefill and first.start_position == 0
+    assert first.states.shape == (prompt_len, 64)
+    assert first.token_ids == tuple(stories.tokenizer.encode(PROMPT))
+    assert sum(isinstance(m, HiddenWindow) and m.is_prefill for m in consumer.messages) == 1
+    whole = (0, np.concatenate([r[1] for r in pieces]), np.concatenate([r[2] for r in pieces]))
+    assert_lossless(consumer.messages, ([whole, *ref[len(pieces):]], reason), prompt_len)
+    crc = 0
+    for m in consumer.messages:
+        if isinstance(m, HiddenWindow):
+            crc = zlib.crc32(m.states.tobytes(), crc)
+    assert diag["hidden_states_crc32"] == crc and diag["hidden_windows"] == 1 + 4
 
 
 def test_block_policy_holds_the_producer_and_loses_nothing(stories: Model) -> None:

@@ -22,7 +22,7 @@ from services.contract.llmstage.v1 import stage_pb2 as pb
 # Runner counters that must be 0 when idle.
 RUNNER_ZERO = ("slots", "running", "waiting", "queued", "tokens_in_flight", "runs_indexed",
                "cohort_slots", "hidden_subscriptions", "hidden_max_lag", "hidden_shm_rings",
-               "hidden_shm_bytes", "admitting")
+               "hidden_shm_bytes", "hidden_prompt_held_bytes", "admitting")
 ORCHESTRATOR_ZERO = ("runs", "running", "queued", "in_flight", "stream_members")
 
 
