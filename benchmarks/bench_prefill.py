@@ -147,8 +147,10 @@ def stall(rt: InferenceRuntime, vocab: int, batch: int, prompt_len: int) -> dict
         rt.step()
         before.append(time.perf_counter() - t)
     joining: list[float] = []
+    calls = _CallTimes(rt.engine)
     rt.submit(_request(rt, "joiner", long_prompt[::-1], 8))
     first = until_first_token(rt, "joiner", joining)
+    calls.stop()
     for i in range(batch):
         rt.cancel(f"d{i}")
     while rt.has_work:
@@ -157,7 +159,32 @@ def stall(rt: InferenceRuntime, vocab: int, batch: int, prompt_len: int) -> dict
             "longest_step_ms": 1000 * max(joining),
             "median_joining_step_ms": 1000 * statistics.median(joining),
             "steps_to_first_token": len(joining), "joiner_ttft_ms": 1000 * first,
-            "joining_steps_ms": [round(1000 * t, 2) for t in joining]}
+            "joining_steps_ms": [round(1000 * t, 2) for t in joining],
+            "launch_ms": calls.ms("launch"), "read_ms": calls.ms("read")}
+
+
+class _CallTimes:
+    """Seconds the host spends in the engine's `launch` and `read`, call by call."""
+
+    def __init__(self, engine: TorchEngine) -> None:
+        self.engine, self.times = engine, {"launch": [], "read": []}
+        for name in self.times:
+            setattr(engine, name, self._timed(name, getattr(engine, name)))
+
+    def _timed(self, name: str, call):  # noqa: ANN001, ANN202
+        def timed(arg):  # noqa: ANN001, ANN202
+            t = time.perf_counter()
+            out = call(arg)
+            self.times[name].append(time.perf_counter() - t)
+            return out
+        return timed
+
+    def stop(self) -> None:
+        for name in self.times:
+            delattr(self.engine, name)
+
+    def ms(self, name: str) -> list[float]:
+        return [round(1000 * t, 2) for t in self.times[name]]
 
 
 def runtime(engine: TorchEngine, max_batch: int, max_seq: int, chunk: int | None
@@ -185,7 +212,8 @@ def bench_shape(name: str, config: ModelConfig, args: argparse.Namespace, rate: 
                for n in args.prompts}
     hf_s = {} if args.no_hf else {n: hf_forward_s(hf, p, args.reps, device)
                                   for n, p in prompts.items()}
-    engine = TorchEngine(config, shared_weights(hf, config), device=device)
+    engine = TorchEngine(config, shared_weights(hf, config), device=device,
+                         mixed_steps=args.mixed_steps)
     del hf
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -258,6 +286,8 @@ def main() -> None:
                          "or per step (0: the runtime's default)")
     ap.add_argument("--ttft-default", action="store_true",
                     help="also the TTFT of each prompt with the default tokens per step")
+    ap.add_argument("--mixed-steps", default="split", choices=("split", "joined"),
+                    help="the torch engine's way of running a step with decodes and chunks")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU")

@@ -91,7 +91,8 @@ class TorchEngine(Engine):
     def __init__(self, config: ModelConfig, weights: ModelWeights | TorchWeights,
                  device: str | torch.device | None = None, dtype: str | None = None,
                  kernels: str = "auto", fused_rows: int = FUSED_ROWS,
-                 fused_prefill_rows: int = FUSED_PREFILL_ROWS) -> None:
+                 fused_prefill_rows: int = FUSED_PREFILL_ROWS,
+                 mixed_steps: str = "split") -> None:
         """`dtype`: "float32" or "bfloat16" (default: bf16 on CUDA, float32 on the CPU).
         `kernels`: "triton" (the CUDA default: fused kernels, decode steps as CUDA graphs), or
         "torch" for the plain reference ops, run eagerly.
@@ -100,7 +101,10 @@ class TorchEngine(Engine):
         torch_triton_products.py, but for matrices past its GEMV_LIMITS; larger batches on
         cuBLAS. 0 turns the fused products off.
         `fused_prefill_rows`: prefill batches of at most this many tokens do too (every
-        product); longer ones multiply on cuBLAS with bf16 activations."""
+        product); longer ones multiply on cuBLAS with bf16 activations.
+        `mixed_steps`: how a step with decode rows and prompt chunks runs: "split" (the
+        decodes as a decode step, the chunks as a prefill forward) or "joined" (one prefill
+        forward over all rows); see `launch`."""
         self.config = config
         self.device = resolve_device(device)
         default = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -115,6 +119,9 @@ class TorchEngine(Engine):
         if fused_rows < 0 or fused_prefill_rows < 0:
             raise InvalidArgument(f"fused_rows {fused_rows}, fused_prefill_rows "
                                   f"{fused_prefill_rows}: must be 0 or more")
+        if mixed_steps not in ("split", "joined"):
+            raise InvalidArgument(f"mixed_steps {mixed_steps!r}: 'split' or 'joined'")
+        self.mixed_steps = mixed_steps
         self.fused_rows = fused_rows
         self.fused_prefill_rows = fused_prefill_rows
         self.weights = weights if isinstance(weights, TorchWeights) else load_weights(
@@ -198,14 +205,17 @@ class TorchEngine(Engine):
 
     # ---- steps -----------------------------------------------------------------------
     def launch(self, batch: Batch) -> Launched:
-        """A batch of one-token rows runs as a decode step (its captured graph on CUDA);
-        any other batch as prefill forwards over every row at once (a decode row is a
-        one-token chunk), so a step with a prompt chunk reads the weights once, not once
-        for the chunk and again for the decodes. Nothing here waits on the device unless a
-        row captures hidden states."""
+        """A batch of one-token rows runs as a decode step (its captured graph on CUDA).
+        In a batch with longer rows, its leading one-token rows (the scheduler puts the
+        decodes first) still run as a decode step and the rest as prefill forwards, so a
+        decode row's numbers never depend on what else shares its step; with
+        `mixed_steps="joined"` every row runs in the prefill forward instead (the weights
+        read once per step, the decode rows on the prefill's products). Nothing here waits
+        on the device unless a row captures hidden states."""
         plan = self._need_plan()
         check_batch(self.config, plan, batch)
         rows = batch.rows
+        n = len(rows)
         feeds = any(r.from_pick is not None for r in rows)
         if feeds:
             last = self._last_sampled
@@ -214,13 +224,22 @@ class TorchEngine(Engine):
                 if j is not None and not (0 <= j < len(last) and last[j]):
                     raise FailedPrecondition(f"a row feeds the pick of row {j} of the "
                                              "previous forward, which made none")
-        if all(r.length == 1 for r in rows):
-            hidden, has_argmax = self._decode(rows, feeds), True
-        else:
-            hidden, has_argmax = self._prefill(batch, feeds), False
+        d = next((i for i, r in enumerate(rows) if r.length > 1), n)  # leading decodes
+        if d < n and self.mixed_steps == "joined":
+            d = 0
+        decodes = rows[:d]
+        hidden: list[HiddenStates | None] = [None] * n
+        bucket = self._stage_decode(decodes, feeds) if d else 0
+        if d < n:  # before the decode: its picks overwrite those this part may feed on
+            hidden[d:] = self._prefill(rows[d:], d, feeds)
+        if d:
+            hidden[:d] = self._decode(decodes, bucket)
+        if d < n:
+            self.forward.head(self.state.x_last[d:n], self.forward.fuses(n - d, False), d)
         specs = [r.sample or _PLACEHOLDER for r in rows]
         self._last_sampled = tuple(r.sample is not None for r in rows)
-        return Launched(self.picks.start(specs, has_argmax), self._last_sampled, hidden)
+        return Launched(self.picks.start(specs, has_argmax=d == n), self._last_sampled,
+                        hidden)
 
     def read(self, handle: Launched) -> StepOutput:
         picks = self.picks.wait(handle.picks)
@@ -228,14 +247,20 @@ class TorchEngine(Engine):
                            for p, wanted in zip(picks, handle.sampled, strict=True)],
                           handle.hidden)
 
-    def _decode(self, rows: Sequence[Row], feeds: bool) -> list[HiddenStates | None]:
-        plan, s = self._need_plan(), self.state
+    def _stage_decode(self, rows: Sequence[Row], feeds: bool) -> int:
+        """Stage one-token rows for the decode step; returns its bucket."""
         b = len(rows)
-        capture = plan.hidden_layer is not None and any(r.capture_hidden for r in rows)
         bucket = self.graphs.bucket_for(b) if self.graphs is not None else b
         self.stager.stage([DecodeRow(_token(r, 0), r.start, r.pages) for r in rows], bucket)
         if feeds:
-            self.picks.feed(s.inputs[:b])
+            self.picks.feed(self.state.inputs[:b])
+        return bucket
+
+    def _decode(self, rows: Sequence[Row], bucket: int) -> list[HiddenStates | None]:
+        """The staged decode step: logits rows and greedy picks 0 .. len(rows)-1."""
+        plan, s = self._need_plan(), self.state
+        b = len(rows)
+        capture = plan.hidden_layer is not None and any(r.capture_hidden for r in rows)
         if self.graphs is not None:
             self.graphs.replay(bucket)
         else:
@@ -247,18 +272,18 @@ class TorchEngine(Engine):
         return [HiddenStates(emb[i:i + 1], states[i:i + 1], r.start)
                 if r.capture_hidden else None for i, r in enumerate(rows)]
 
-    def _prefill(self, batch: Batch, feeds: bool) -> list[HiddenStates | None]:
-        """Forwards of up to a pass's tokens each (one, unless the batch holds more than the
-        runtime's step budget); each row's last residual goes to `x_last` at its row, and one
-        head then gives every row's logits."""
+    def _prefill(self, rows: Sequence[Row], first: int, feeds: bool
+                 ) -> list[HiddenStates | None]:
+        """`rows` (batch rows first ..) in forwards of up to a pass's tokens each (one,
+        unless they hold more than the runtime's step budget); each row's last residual
+        goes to its batch row of `x_last`, for the head."""
         plan, s, stager = self._need_plan(), self.state, self.prefill_stager
-        rows = batch.rows
         tokens = [[_token(r, i) for i in range(r.length)] for r in rows]
         capture = plan.hidden_layer is not None and any(r.capture_hidden for r in rows)
         caps = CapturedStates(rows)
-        for p in split_passes(batch, tokens, stager.max_tokens, stager.max_tokens):
+        for p in split_passes(Batch(rows), tokens, stager.max_tokens, stager.max_tokens):
             chunks = [PrefillChunk(seg.tokens, seg.start, seg.pages,
-                                   seg.row if seg.is_last else plan.max_batch)
+                                   first + seg.row if seg.is_last else plan.max_batch)
                       for seg in p.segments]
             stager.check(chunks, plan.max_seq)
             layout = stager.stage(chunks, self.forward.ops.prefill_block(p.num_tokens))
@@ -268,9 +293,7 @@ class TorchEngine(Engine):
             if capture and p.capture:
                 caps.add(p, _host_copy(s.cap_emb[:p.num_tokens]),
                          _host_copy(s.cap_state[:p.num_tokens]))
-        n = len(rows)
-        self.forward.head(s.x_last[:n], self.forward.fuses(n, is_decode=False))
-        return caps.joined() if capture else [None] * n
+        return caps.joined() if capture else [None] * len(rows)
 
     def sample(self, specs: Sequence[SampleSpec]) -> list[int]:
         self._need_plan()

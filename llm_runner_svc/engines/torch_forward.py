@@ -164,17 +164,19 @@ class Forward:
         else:
             self.s.cap_state[:n].copy_(x)
 
-    def head(self, x: torch.Tensor, fused: Callable[[torch.Tensor, int], bool]) -> None:
-        """Logits rows 0..n-1 from residual rows x [n, hidden] float32."""
+    def head(self, x: torch.Tensor, fused: Callable[[torch.Tensor, int], bool],
+             first: int = 0) -> None:
+        """Logits rows first .. first+n-1 from residual rows x [n, hidden] float32."""
         n = x.shape[0]
+        logits = self.s.logits[first:first + n]
         if fused(self.weights.lm_head, STORE):
             assert self.products is not None
             self.products.norm_product(x, self.weights.final_norm, self.weights.lm_head, None,
-                                       self.s.logits[:n])
+                                       logits)
             return
         h = self.s.h[:n]
         self.ops.rms_norm(x, self.weights.final_norm, h)
-        self._to_float32(h, self.weights.lm_head, self.s.logits[:n])
+        self._to_float32(h, self.weights.lm_head, logits)
 
     def decode(self, batch: int, ids: torch.Tensor, positions: torch.Tensor,
                tables: torch.Tensor, capture: bool) -> None:

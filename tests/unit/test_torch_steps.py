@@ -29,8 +29,9 @@ SPECS = [dict(temperature=0.0, max_new_tokens=40),
          dict(temperature=1.0, seed=11, max_new_tokens=33)]
 
 
-def _runtime(stories, **cfg) -> InferenceRuntime:
-    eng = create_engine("torch", stories.config, stories.weights, device="cpu")
+def _runtime(stories, mixed_steps: str = "split", **cfg) -> InferenceRuntime:
+    eng = create_engine("torch", stories.config, stories.weights, device="cpu",
+                        mixed_steps=mixed_steps)
     rt = InferenceRuntime(eng, stories.tokenizer, RuntimeConfig(**{"max_seq": 256, **cfg}))
     rt.preallocate()
     return rt
@@ -72,9 +73,10 @@ class Spy:
         return self._launch(batch)
 
 
-@pytest.mark.parametrize("step_tokens", [0, 8])
-def test_batched_steps_give_each_request_its_solo_tokens(stories, step_tokens):
-    rt = _runtime(stories, max_batch=3, max_tokens_per_step=step_tokens)
+@pytest.mark.parametrize(("step_tokens", "mixed_steps"),
+                         [(0, "split"), (8, "split"), (8, "joined")])
+def test_batched_steps_give_each_request_its_solo_tokens(stories, step_tokens, mixed_steps):
+    rt = _runtime(stories, mixed_steps, max_batch=3, max_tokens_per_step=step_tokens)
     spy = Spy(rt)
     for req in _requests(rt):
         rt.submit(req)
