@@ -2,9 +2,11 @@
 
 Every stage of the topology that carries `launch` starts as an `llm-runner serve` child process
 (or its `launch.command`) on a free loopback port, and the orchestrator runs in this process
-(services/orchestrator/launcher.py); Ctrl-C or SIGTERM stops the orchestrator, then the
-children, and the command exits 0. Without a topology, one backbone stage serves the embedded
-model. The client's `llm-stage up` runs this command when the server package is installed.
+(services/orchestrator/launcher.py), with the OpenAI-compatible HTTP gateway in front of it
+(`--http-port`, 8000 by default; `--no-http` leaves it out); Ctrl-C or SIGTERM stops the
+orchestrator, then the children, and the command exits 0. Without a topology, one backbone
+stage serves the embedded model. The client's `llm-stage up` runs this command when the
+server package is installed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import socket
 
 from llm_runner_svc.cli_common import HelpFormatter, bind_failure, is_bind_failure
 from llm_runner_svc.errors import InvalidArgument
+
+DEFAULT_HTTP_PORT = 8000
 
 
 def add_up(sub: argparse._SubParsersAction) -> None:
@@ -26,6 +30,11 @@ def add_up(sub: argparse._SubParsersAction) -> None:
                    help="address the orchestrator binds (0.0.0.0 for every interface); stages "
                         "bind it too, on free ports")
     p.add_argument("--port", type=int, default=50050, help="orchestrator port (0 = any free)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="port of the OpenAI-compatible HTTP API (0 = any free; default 8000, "
+                        "or any free port when --port is 0)")
+    p.add_argument("--no-http", action="store_true",
+                   help="start no HTTP gateway: the gRPC Orchestrator API only")
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -39,9 +48,12 @@ def run_up(args: argparse.Namespace) -> int:
         options = ServerOptions(host=args.host, port=args.port)
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from exc
+    http_port = None if args.no_http else http_port_of(args)
     _check_free(args.host, args.port)
+    if http_port is not None:
+        _check_free(args.host, http_port, "--http-port")
     try:
-        up(args.topology, options)
+        up(args.topology, options, http_port)
     except (RuntimeError, OSError) as exc:
         if is_bind_failure(exc):
             raise bind_failure(args.host, args.port) from exc
@@ -49,9 +61,18 @@ def run_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_free(host: str, port: int) -> None:
-    """Fails before any stage process loads its model when the orchestrator's port is taken;
-    the orchestrator's own bind still decides (something may take the port in between)."""
+def http_port_of(args: argparse.Namespace) -> int:
+    """--http-port; without it 8000, or any free port when the orchestrator's is any free."""
+    if args.http_port is None:
+        return 0 if args.port == 0 else DEFAULT_HTTP_PORT
+    if not 0 <= args.http_port <= 65535:
+        raise InvalidArgument(f"--http-port must be in 0..65535, got {args.http_port}")
+    return int(args.http_port)
+
+
+def _check_free(host: str, port: int, flag: str = "--port") -> None:
+    """Fails before any stage process loads its model when a port of ours is taken; the
+    server's own bind still decides (something may take the port in between)."""
     if port == 0:
         return
     try:
@@ -59,4 +80,4 @@ def _check_free(host: str, port: int) -> None:
         with socket.create_server((host, port), family=family):
             pass
     except OSError as exc:
-        raise bind_failure(host, port) from exc
+        raise bind_failure(host, port, flag) from exc

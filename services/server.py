@@ -86,12 +86,16 @@ async def create_server(options: ServerOptions,
 
 
 async def serve_until_signal(handle: ServerHandle, options: ServerOptions,
-                             drain: Callable[[float], Awaitable[None]]) -> None:
-    """Serve until SIGTERM or SIGINT, then drain: NOT_SERVING, `drain(grace_s)`, stop."""
+                             drain: Callable[[float], Awaitable[None]],
+                             ready: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, then drain: NOT_SERVING, `drain(grace_s)`, stop.
+    `ready()` runs once the signals are handled (a signal meanwhile drains after it)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        await ready()
     await stop.wait()
     log.info("draining (grace %.1f s)", options.grace_s)
     await handle.set_serving(False)

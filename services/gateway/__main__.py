@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("gateway: interrupted", file=sys.stderr)
+        if not os.environ.get("LLM_RUNNER_LAUNCHED"):  # a child of `up`: the parent says it
+            print("gateway: interrupted", file=sys.stderr)
         return 130
     return 0
 

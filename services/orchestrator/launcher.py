@@ -1,8 +1,10 @@
 """`llm-runner up` (and its alias `llm-stage up`): a whole local deployment. Each launched
 stage replica is an `llm-runner serve` child process (or its `launch.command`) on a free
-loopback port; the orchestrator runs in this process. Ctrl-C (or SIGTERM) stops the
-orchestrator, then the children (each drains on SIGTERM). A stage that cannot start raises
-FailedPrecondition (its command is missing) or Unavailable (it exited before listening)."""
+loopback port; the orchestrator runs in this process; once it serves, the OpenAI-compatible
+gateway (`python -m services.gateway`) starts as one more child in front of it, unless
+`http_port` is None. Ctrl-C (or SIGTERM) stops the orchestrator, then the children (each
+drains on SIGTERM). A child that cannot start raises FailedPrecondition (its command is
+missing) or Unavailable (it exited before listening)."""
 
 from __future__ import annotations
 
@@ -22,13 +24,42 @@ from services.server import ServerOptions
 
 log = logging.getLogger(__name__)
 
-_LISTENING = re.compile(r"listening on [\w.\-]+:(\d+)")
+_LISTENING = re.compile(r"listening on (?:http://)?[\w.\-]+:(\d+)")
 # A terminal's Ctrl-C reaches the children too; LLM_RUNNER_LAUNCHED tells a child `llm-runner`
 # to leave the one "interrupted" line to this process.
 CHILD_ENV = {"PYTHONUNBUFFERED": "1", "LLM_RUNNER_LAUNCHED": "1"}
 
 
-class StageProcess:
+class ChildProcess:
+    """A child server that prints "... listening on HOST:PORT" once it serves."""
+
+    def __init__(self, cmd: list[str], what: str, host: str) -> None:
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                                         env=os.environ | CHILD_ENV)
+        except OSError as exc:  # no such file, or not executable
+            raise FailedPrecondition(_not_runnable(cmd[0], exc)) from exc
+        assert self.proc.stdout is not None
+        self.line = self.proc.stdout.readline()
+        m = _LISTENING.search(self.line)
+        if m is None:
+            self.stop()
+            said = f": {self.line.strip()}" if self.line.strip() else " (its error is above)"
+            raise Unavailable(f"{what} process {os.path.normpath(cmd[0])} did not start "
+                              f"(exit {self.proc.poll()}){said}")
+        self.endpoint = f"{host}:{m.group(1)}"
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class StageProcess(ChildProcess):
     """One `llm-runner serve` child."""
 
     def __init__(self, config: str | None, stage: str | None, host: str,
@@ -41,29 +72,15 @@ class StageProcess:
             cmd += ["--config", config]
         if stage:
             cmd += ["--stage", stage]
-        try:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                                         env=os.environ | CHILD_ENV)
-        except OSError as exc:  # no such file, or not executable
-            raise FailedPrecondition(_not_runnable(cmd[0], exc)) from exc
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        m = _LISTENING.search(line)
-        if m is None:
-            self.stop()
-            said = f": {line.strip()}" if line.strip() else " (its error is above)"
-            raise Unavailable(f"stage process {os.path.normpath(cmd[0])} did not start "
-                              f"(exit {self.proc.poll()}){said}")
-        self.endpoint = f"{host}:{m.group(1)}"
+        super().__init__(cmd, "stage", host)
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+
+class GatewayProcess(ChildProcess):
+    """The `python -m services.gateway` child in front of the orchestrator at `target`."""
+
+    def __init__(self, target: str, host: str, port: int) -> None:
+        super().__init__([sys.executable, "-m", "services.gateway", "--orchestrator", target,
+                          "--host", host, "--port", str(port)], "gateway", host)
 
 
 def _not_runnable(command: str, exc: OSError) -> str:
@@ -93,16 +110,30 @@ def launch_stages(topology: Topology, host: str) -> tuple[Topology, list[StagePr
     return with_endpoints(topology, endpoints), procs
 
 
-def up(topology_path: str | None, options: ServerOptions) -> None:
+def up(topology_path: str | None, options: ServerOptions, http_port: int | None = None) -> None:
+    """Serve the deployment until SIGTERM or SIGINT; `http_port` (0: any free) is the
+    gateway's, None for no gateway."""
+    procs: list[ChildProcess]
     if topology_path is None:
         procs = [StageProcess(None, None, options.host)]
         topology = single_stage([procs[0].endpoint])
     else:
-        topology, procs = launch_stages(load_topology(Path(topology_path)), options.host)
+        topology, stages = launch_stages(load_topology(Path(topology_path)), options.host)
+        procs = list(stages)
     for p in procs:
         print(f"llm-stage: stage process {p.proc.pid} on {p.endpoint}", flush=True)
+
+    async def start_gateway(port: int) -> None:
+        if http_port is None:
+            return
+        # An orchestrator on every interface is reached on loopback.
+        host = "127.0.0.1" if options.host in ("0.0.0.0", "::", "") else options.host
+        procs.append(await asyncio.to_thread(GatewayProcess, f"{host}:{port}", options.host,
+                                             http_port))
+        print(procs[-1].line, end="", flush=True)
+
     try:
-        asyncio.run(serve(topology, options))
+        asyncio.run(serve(topology, options, on_serving=start_gateway))
     finally:
-        for p in procs:
+        for p in reversed(procs):
             p.stop()

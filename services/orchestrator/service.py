@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -59,8 +59,9 @@ async def create_orchestrator_server(topology: Topology, options: ServerOptions,
     return handle, orchestrator
 
 
-async def serve(topology: Topology, options: ServerOptions,
-                metrics_port: int | None = None) -> None:
+async def serve(topology: Topology, options: ServerOptions, metrics_port: int | None = None,
+                on_serving: Callable[[int], Awaitable[None]] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT; `on_serving(port)` runs once the API listens."""
     init_tracing("llmstage-orchestrator")
     handle, orchestrator = await create_orchestrator_server(topology, options)
     metrics_line = ""
@@ -74,7 +75,11 @@ async def serve(topology: Topology, options: ServerOptions,
     async def drain(grace_s: float) -> None:
         await handle.server.stop(grace=grace_s)
 
+    async def ready() -> None:
+        if on_serving is not None:
+            await on_serving(handle.port)
+
     try:
-        await serve_until_signal(handle, options, drain)
+        await serve_until_signal(handle, options, drain, ready)
     finally:
         await orchestrator.close()

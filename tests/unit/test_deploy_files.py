@@ -28,7 +28,7 @@ def console_scripts() -> set[str]:
 
 def test_compose_structure() -> None:
     assert set(COMPOSE) <= TOP_KEYS
-    assert set(SERVICES) == {"jaeger", "runner", "talker", "orchestrator"}
+    assert set(SERVICES) == {"jaeger", "runner", "talker", "orchestrator", "gateway"}
     for name, svc in SERVICES.items():
         assert set(svc) <= SERVICE_KEYS, name
         assert ("image" in svc) != ("build" in svc), f"{name}: image or build, not both"
@@ -43,12 +43,12 @@ def test_compose_structure() -> None:
                                                             for c in svc["command"])
     jaeger = SERVICES["jaeger"]
     assert {"16686:16686", "4317:4317"} <= set(jaeger["ports"])
-    for name in ("runner", "orchestrator"):
+    for name in ("runner", "orchestrator", "gateway"):
         assert SERVICES[name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == \
             "http://jaeger:4317"
 
 
-@pytest.mark.parametrize("name", ["runner", "talker", "orchestrator"])
+@pytest.mark.parametrize("name", ["runner", "talker", "orchestrator", "gateway"])
 def test_build_context_and_copies_exist(name: str) -> None:
     build = SERVICES[name]["build"]
     assert set(build) <= BUILD_KEYS
@@ -76,6 +76,13 @@ def test_commands_name_things_that_exist() -> None:
         for endpoint in stage.endpoints:
             host, port = endpoint.split(":")
             assert host in SERVICES and port in shlex.join(SERVICES[host]["command"])
+    gateway = SERVICES["gateway"]["command"]
+    assert gateway[:3] == ["python", "-m", "services.gateway"]
+    assert (ROOT / "services" / "gateway" / "__main__.py").is_file()
+    host, port = gateway[gateway.index("--orchestrator") + 1].split(":")
+    assert host in SERVICES and port in shlex.join(SERVICES[host]["command"])
+    http_port = gateway[gateway.index("--port") + 1]
+    assert f"{http_port}:{http_port}" in SERVICES["gateway"]["ports"]
     cmake = (ROOT / "clients" / "cpp" / "CMakeLists.txt").read_text()
     assert SERVICES["talker"]["command"][0] == "talker_stage"
     assert re.search(r"add_executable\(\s*talker_stage\b", cmake)

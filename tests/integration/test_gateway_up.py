@@ -1,0 +1,46 @@
+"""`llm-stage up` starts the HTTP gateway with the deployment: it answers the text
+`llm-stage generate` prints, stops with the rest on Ctrl-C, and a busy --http-port stops the
+command before any stage starts."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+
+from http_gateway import ENV, LLM_STAGE, LONG, ROOT, llm_stage_generate, request
+
+
+def test_up_serves_the_openai_api_too() -> None:
+    up = subprocess.Popen([*LLM_STAGE, "up", "--port", "0"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    try:
+        assert up.stdout is not None
+        lines = [up.stdout.readline() for _ in range(3)]
+        orch = re.search(r"orchestrator listening on ([\d.]+:\d+)", lines[1])
+        gw = re.search(r"gateway listening on (http://[\d.]+:\d+)", lines[2])
+        assert orch and gw, lines
+        expected = llm_stage_generate(orch.group(1), "The dog", "--temperature", "0",
+                                      "--max-tokens", "12")
+        status, _, body = request(f"{gw.group(1)}/v1/completions", {
+            "model": "backbone", "prompt": "The dog", "temperature": 0, "max_tokens": 12})
+        assert status == 200 and body["choices"][0]["text"] == expected
+        assert request(f"{gw.group(1)}/health")[0] == 200
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(LONG) == 0
+    assert "Traceback" not in up.stderr.read()  # type: ignore[union-attr]
+
+
+def test_a_busy_http_port_stops_up_before_the_stages() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([*LLM_STAGE, "up", "--port", "0", "--http-port", str(port)],
+                              capture_output=True, text=True, timeout=LONG, env=ENV, cwd=ROOT)
+    assert done.returncode == 2 and "stage process" not in done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], done.stderr
+    assert "--http-port" in lines[0]
