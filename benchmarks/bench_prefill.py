@@ -26,8 +26,10 @@ Usage: python benchmarks/bench_prefill.py [--shapes qwen2.5-1.5b,qwen2.5-7b]
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -128,7 +130,8 @@ def ttft_s(rt: InferenceRuntime, prompt: list[int], reps: int, tag: str) -> floa
     return min(times[1:])
 
 
-def stall(rt: InferenceRuntime, vocab: int, batch: int, prompt_len: int) -> dict:
+def stall(rt: InferenceRuntime, vocab: int, batch: int, prompt_len: int,
+          profile: bool = False) -> dict:
     """`batch` requests decoding, then a `prompt_len` prompt joins; twice, the first time
     to warm up what a joining prompt's steps use first (product shapes, kernel modules)."""
     gen = torch.Generator().manual_seed(2)
@@ -147,10 +150,11 @@ def stall(rt: InferenceRuntime, vocab: int, batch: int, prompt_len: int) -> dict
         rt.step()
         before.append(time.perf_counter() - t)
     joining: list[float] = []
-    calls = _CallTimes(rt.engine)
+    calls = _CallTimes(rt.engine, profile)
     rt.submit(_request(rt, "joiner", long_prompt[::-1], 8))
     first = until_first_token(rt, "joiner", joining)
     calls.stop()
+    calls.print_slowest()
     for i in range(batch):
         rt.cancel(f"d{i}")
     while rt.has_work:
@@ -166,18 +170,30 @@ def stall(rt: InferenceRuntime, vocab: int, batch: int, prompt_len: int) -> dict
 class _CallTimes:
     """Seconds the host spends in the engine's `launch` and `read`, call by call."""
 
-    def __init__(self, engine: TorchEngine) -> None:
+    def __init__(self, engine: TorchEngine, profile: bool = False) -> None:
         self.engine, self.times = engine, {"launch": [], "read": []}
+        self.profile, self.slowest = profile, {}
         for name in self.times:
             setattr(engine, name, self._timed(name, getattr(engine, name)))
 
     def _timed(self, name: str, call):  # noqa: ANN001, ANN202
         def timed(arg):  # noqa: ANN001, ANN202
+            prof = cProfile.Profile() if self.profile else None
             t = time.perf_counter()
-            out = call(arg)
-            self.times[name].append(time.perf_counter() - t)
+            out = prof.runcall(call, arg) if prof else call(arg)
+            took = time.perf_counter() - t
+            if prof and took > max(self.times[name], default=0.0):
+                self.slowest[name] = prof
+            self.times[name].append(took)
             return out
         return timed
+
+    def print_slowest(self) -> None:
+        """Where the host spent the slowest launch and read (cProfile, cumulative)."""
+        for name, prof in self.slowest.items():
+            print(f"# slowest {name}:")
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(12)
 
     def stop(self) -> None:
         for name in self.times:
@@ -239,7 +255,8 @@ def bench_shape(name: str, config: ModelConfig, args: argparse.Namespace, rate: 
         rt = runtime(engine, args.stall_batch + 1, max_seq, chunk or None)
         st = {"shape": name, "stall_batch": args.stall_batch,
               "stall_prompt": args.stall_prompt, "stall_chunk": chunk,
-              **stall(rt, config.vocab_size, args.stall_batch, args.stall_prompt)}
+              **stall(rt, config.vocab_size, args.stall_batch, args.stall_prompt,
+                      args.profile)}
         print(json.dumps(st), flush=True)
         rows.append(st)
         rt.close()
@@ -288,6 +305,8 @@ def main() -> None:
                     help="also the TTFT of each prompt with the default tokens per step")
     ap.add_argument("--mixed-steps", default="split", choices=("split", "joined"),
                     help="the torch engine's way of running a step with decodes and chunks")
+    ap.add_argument("--profile", action="store_true",
+                    help="print where the host spent the slowest launch and read of a stall")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU")
