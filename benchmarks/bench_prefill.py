@@ -139,8 +139,9 @@ def stall(rt: InferenceRuntime, vocab: int, batch: int, prompt_len: int,
     for i in range(batch):
         ids = torch.randint(0, vocab, (own,), generator=gen).tolist()
         rt.submit(_request(rt, f"d{i}", ids, rt.max_seq - own))
-    for _ in range(4):  # every request prefilled and decoding
-        rt.step()
+    started: set[str] = set()
+    while len(started) < batch:  # every request prefilled and decoding
+        started |= {ev.request_id for ev in rt.step() if ev.token_ids}
     long_prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
     rt.submit(_request(rt, "warm-up", long_prompt, 1))
     until_first_token(rt, "warm-up", [])
