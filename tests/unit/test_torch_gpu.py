@@ -277,10 +277,14 @@ def _batch_tokens(model, engine: str, solo: bool = False, **opts) -> dict:
 
 
 def test_fused_batches_match_solo_runs(stories):
-    """The fused products in CUDA graphs with rows joining and leaving batches of 1 to 4
-    give every request the tokens it gets alone."""
-    batched = _batch_tokens(stories, "torch", device="cuda", fused_rows=4)
-    assert batched == _batch_tokens(stories, "torch", solo=True, device="cuda", fused_rows=4)
+    """The fused products in CUDA graphs with rows joining and leaving batches of 1 to 4,
+    prompts prefilling beside decodes and beside each other, give every request the tokens
+    it gets alone: with every product on the fused kernels (whose rows do not depend on
+    their batch mates, unlike cuBLAS's choice of kernel by batch size), a request's numbers
+    do not depend on what shares its steps."""
+    opts = dict(device="cuda", fused_rows=4, fused_prefill_rows=256)
+    assert _batch_tokens(stories, "torch", **opts) == _batch_tokens(stories, "torch",
+                                                                     solo=True, **opts)
 
 
 def test_cublas_products_against_the_same_weights(stories):
