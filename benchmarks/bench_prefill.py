@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_paths  # noqa: E402
 from bench_gpu import hf_model, shared_weights  # noqa: E402
 
-from llm_runner_svc.engines.torch_engine import TorchEngine  # noqa: E402
+from llm_runner_svc.engines.torch_engine import PREFILL_GRAPH_TOKENS, TorchEngine  # noqa: E402
 from llm_runner_svc.engines.torch_weights import named_shape  # noqa: E402
 from llm_runner_svc.models.spec import ModelConfig, RopeStyle  # noqa: E402
 from llm_runner_svc.runtime import (  # noqa: E402
@@ -230,7 +230,8 @@ def bench_shape(name: str, config: ModelConfig, args: argparse.Namespace, rate: 
     hf_s = {} if args.no_hf else {n: hf_forward_s(hf, p, args.reps, device)
                                   for n, p in prompts.items()}
     engine = TorchEngine(config, shared_weights(hf, config), device=device,
-                         mixed_steps=args.mixed_steps)
+                         mixed_steps=args.mixed_steps,
+                         prefill_graph_tokens=args.prefill_graph_tokens)
     del hf
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -306,6 +307,8 @@ def main() -> None:
                     help="also the TTFT of each prompt with the default tokens per step")
     ap.add_argument("--mixed-steps", default="split", choices=("split", "joined"),
                     help="the torch engine's way of running a step with decodes and chunks")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=PREFILL_GRAPH_TOKENS,
+                    help="prefill passes up to this many tokens replay CUDA graphs (0: none)")
     ap.add_argument("--profile", action="store_true",
                     help="print where the host spent the slowest launch and read of a stall")
     ap.add_argument("--no-hf", action="store_true")

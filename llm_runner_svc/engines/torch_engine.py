@@ -38,7 +38,12 @@ from llm_runner_svc.engines.base import (
 from llm_runner_svc.engines.batch import Batch, Row, StepOutput, split_passes
 from llm_runner_svc.engines.batched import CapturedStates
 from llm_runner_svc.engines.torch_forward import Forward, has_float32_products
-from llm_runner_svc.engines.torch_graphs import DecodeGraphs, InputStager
+from llm_runner_svc.engines.torch_graphs import (
+    DecodeGraphs,
+    InputStager,
+    PrefillGraphs,
+    prefill_buckets,
+)
 from llm_runner_svc.engines.torch_ops import TorchOps
 from llm_runner_svc.engines.torch_picks import Picks, Started
 from llm_runner_svc.engines.torch_prefill import PrefillChunk, PrefillStager
@@ -52,6 +57,9 @@ FUSED_ROWS = 1  # batch 1; the fused kernel's few-row variants lose to cuBLAS
 # Prefill batches up to this many tokens keep float32 activations (the parity tests' windows
 # among them); past it cuBLAS's bf16 products are what makes a long prompt fast.
 FUSED_PREFILL_ROWS = 64
+# Prefill passes up to this many tokens run from CUDA graphs: below it an eager forward's
+# launches take longer on the host than its work on the GPU (7B shapes, H200).
+PREFILL_GRAPH_TOKENS = 512
 _PLACEHOLDER = SampleSpec(0.0, 0, 1.0)  # the pick of a row without a spec (not returned)
 
 
@@ -92,7 +100,8 @@ class TorchEngine(Engine):
                  device: str | torch.device | None = None, dtype: str | None = None,
                  kernels: str = "auto", fused_rows: int = FUSED_ROWS,
                  fused_prefill_rows: int = FUSED_PREFILL_ROWS,
-                 mixed_steps: str = "split") -> None:
+                 mixed_steps: str = "split",
+                 prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS) -> None:
         """`dtype`: "float32" or "bfloat16" (default: bf16 on CUDA, float32 on the CPU).
         `kernels`: "triton" (the CUDA default: fused kernels, decode steps as CUDA graphs), or
         "torch" for the plain reference ops, run eagerly.
@@ -104,7 +113,9 @@ class TorchEngine(Engine):
         product); longer ones multiply on cuBLAS with bf16 activations.
         `mixed_steps`: how a step with decode rows and prompt chunks runs: "split" (the
         decodes as a decode step, the chunks as a prefill forward) or "joined" (one prefill
-        forward over all rows); see `launch`."""
+        forward over all rows); see `launch`.
+        `prefill_graph_tokens`: with triton kernels on CUDA, prefill passes of up to this
+        many tokens replay a CUDA graph captured per power-of-two bucket (0: always eager)."""
         self.config = config
         self.device = resolve_device(device)
         default = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -122,6 +133,7 @@ class TorchEngine(Engine):
         if mixed_steps not in ("split", "joined"):
             raise InvalidArgument(f"mixed_steps {mixed_steps!r}: 'split' or 'joined'")
         self.mixed_steps = mixed_steps
+        self.prefill_graph_tokens = max(0, prefill_graph_tokens)
         self.fused_rows = fused_rows
         self.fused_prefill_rows = fused_prefill_rows
         self.weights = weights if isinstance(weights, TorchWeights) else load_weights(
@@ -164,12 +176,20 @@ class TorchEngine(Engine):
                                self.fused_prefill_rows)
         self.stager = InputStager(self.state, scratch_page=plan.num_pages)
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self._plan = plan
         if self.device.type == "cuda" and self.kernels == "triton":
             with torch.cuda.device(self.device):
                 self.graphs = DecodeGraphs(self.forward, self.state, plan.max_batch,
                                            capture_hidden=plan.hidden_layer is not None)
                 self.graphs.capture()
+                buckets = prefill_buckets(self.prefill_stager.max_tokens,
+                                          self.prefill_graph_tokens)
+                if buckets:
+                    self.prefill_graphs = PrefillGraphs(
+                        self.forward, self.prefill_stager, buckets,
+                        capture_hidden=plan.hidden_layer is not None, pad_dest=plan.max_batch)
+                    self.prefill_graphs.capture()
         self.picks = Picks(self.state.logits, self.state.next_ids, pass_tokens(plan))
         self._bytes += self.picks.nbytes
         self._last_sampled: tuple[bool, ...] = ()  # which rows of the last forward picked
@@ -177,9 +197,11 @@ class TorchEngine(Engine):
     def close(self) -> None:
         if self._plan is None:
             return
-        if self.graphs is not None:
-            self.graphs.close()
-        for name in ("graphs", "stager", "prefill_stager", "forward", "picks", "state"):
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.close()
+        for name in ("graphs", "prefill_graphs", "stager", "prefill_stager", "forward", "picks",
+                     "state"):
             delattr(self, name)
         self._plan = None
         self._bytes = 0
@@ -286,10 +308,18 @@ class TorchEngine(Engine):
                                    first + seg.row if seg.is_last else plan.max_batch)
                       for seg in p.segments]
             stager.check(chunks, plan.max_seq)
-            layout = stager.stage(chunks, self.forward.ops.prefill_block(p.num_tokens))
+            graphs = self.prefill_graphs
+            bucket = graphs.bucket_for(p.num_tokens) if graphs is not None else None
+            if graphs is not None and bucket is not None:
+                layout = graphs.stage(chunks, bucket)
+            else:
+                layout = stager.stage(chunks, self.forward.ops.prefill_block(p.num_tokens))
             if feeds and any(rows[seg.row].from_pick is not None for seg in p.segments):
                 self.picks.feed(layout.ids)
-            self.forward.prefill(layout, capture and p.capture)
+            if graphs is not None and bucket is not None:
+                graphs.replay(bucket)
+            else:
+                self.forward.prefill(layout, capture and p.capture)
             if capture and p.capture:
                 caps.add(p, _host_copy(s.cap_emb[:p.num_tokens]),
                          _host_copy(s.cap_state[:p.num_tokens]))

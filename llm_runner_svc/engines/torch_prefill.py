@@ -92,18 +92,27 @@ class PrefillStager:
                                   f"{self.max_tokens}")
         return total
 
-    def stage(self, chunks: Sequence[PrefillChunk], block: int) -> PrefillLayout:
+    def stage(self, chunks: Sequence[PrefillChunk], block: int, pad_tokens: int = 0,
+              pad_dest: int = 0) -> PrefillLayout:
         """Write `chunks` (checked by `check`) and start their copy; attention query blocks
-        of `block` tokens (at least MIN_BLOCK)."""
+        of `block` tokens (at least MIN_BLOCK). With `pad_tokens` (at least the chunks'
+        tokens) the layout has that many tokens, `max_chunks` chunks and pad_tokens //
+        block + max_chunks blocks whatever the batch holds, so its views are the ones a
+        captured graph reads: padding tokens write the scratch page, padding chunks' last
+        rows go to `x_last` row `pad_dest`, padding blocks are empty."""
         if self._is_cuda:
             self._copied.synchronize()  # the last batch's copy has left the host buffer
-        t = sum(len(ch.token_ids) for ch in chunks)
-        r, p, ps = len(chunks), self.pages, self.page_size
+        real = sum(len(ch.token_ids) for ch in chunks)
+        t = max(real, pad_tokens)
+        r = self.max_chunks if pad_tokens else len(chunks)
+        p, ps = self.pages, self.page_size
         buf = self._np
         ids, pos, slots = buf[:t], buf[t:2 * t], buf[2 * t:3 * t]
         last, dest = buf[3 * t:3 * t + r], buf[3 * t + r:3 * t + 2 * r]
         tables = buf[3 * t + 2 * r:3 * t + 2 * r + r * p].reshape(r, p)
         tables[:] = self.scratch
+        ids[real:], pos[real:], slots[real:] = 0, 0, self.scratch * ps
+        last[len(chunks):], dest[len(chunks):] = 0, pad_dest
         spans, blocks = [], []
         first = 0
         for i, ch in enumerate(chunks):
@@ -119,9 +128,11 @@ class PrefillStager:
             blocks += [(i, first + q, ch.start + q, min(block, n - q)) for q in range(0, n, block)]
             first += n
         blocks.sort(key=lambda b: -(b[2] + b[3]))  # the most keys first: they finish last
+        num_blocks = t // block + r if pad_tokens else len(blocks)
         lo = 3 * t + 2 * r + r * p
+        used = lo + 4 * num_blocks
+        buf[lo:used] = 0  # padding blocks hold no query
         buf[lo:lo + 4 * len(blocks)] = np.asarray(blocks, dtype=np.int64).reshape(-1)
-        used = lo + 4 * len(blocks)
         if self._is_cuda:
             self._device[:used].copy_(self._host[:used], non_blocking=True)
             self._copied.record()
