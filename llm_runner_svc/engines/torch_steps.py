@@ -1,0 +1,191 @@
+"""The torch engine's steps: `launch` / `read` over the buffers `TorchEngine.preallocate`
+claims (torch_engine.py).
+
+A batch of one-token rows runs as a decode step (its CUDA graph on CUDA). In a batch with
+longer rows its leading one-token rows (the scheduler puts the decodes first) still run as a
+decode step and the rest as prefill passes (a captured graph per token bucket for short
+passes, eager otherwise); each prefill row's last residual goes to its batch row of `x_last`
+and one head gives their logits. A step's one host synchronisation is the copy of its picks,
+made in `read` after the next step is launched (torch_picks.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llm_runner_svc.engines.base import (
+    DecodeRow,
+    Engine,
+    EnginePlan,
+    HiddenStates,
+    SampleSpec,
+    check_batch,
+)
+from llm_runner_svc.engines.batch import Batch, Row, StepOutput, split_passes
+from llm_runner_svc.engines.batched import CapturedStates
+from llm_runner_svc.engines.torch_forward import Forward
+from llm_runner_svc.engines.torch_graphs import DecodeGraphs, InputStager, PrefillGraphs
+from llm_runner_svc.engines.torch_picks import Picks, Started
+from llm_runner_svc.engines.torch_prefill import PrefillChunk, PrefillStager
+from llm_runner_svc.engines.torch_state import RunState, decode_views
+from llm_runner_svc.errors import FailedPrecondition
+
+_PLACEHOLDER = SampleSpec(0.0, 0, 1.0)  # the pick of a row without a spec (not returned)
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A launched step: its picks on their way to the host, which rows asked for one, and
+    the states captured at launch."""
+
+    picks: Started
+    sampled: tuple[bool, ...]
+    hidden: list[HiddenStates | None]
+
+
+def _token(row: Row, i: int) -> int:
+    """Token i of `row`; -1-j for the pick of row j of the previous forward."""
+    return -1 - row.from_pick if row.from_pick is not None else row.tokens[i]
+
+
+
+class TorchSteps(Engine):
+    """Set up by `TorchEngine.preallocate`."""
+
+    mixed_steps: str
+    state: RunState
+    forward: Forward
+    stager: InputStager
+    prefill_stager: PrefillStager
+    graphs: DecodeGraphs | None
+    prefill_graphs: PrefillGraphs | None
+    picks: Picks
+    _plan: EnginePlan | None
+    _last_sampled: tuple[bool, ...]
+
+    def _need_plan(self) -> EnginePlan:
+        if self._plan is None:
+            raise FailedPrecondition("engine used before preallocate()")
+        return self._plan
+
+    def launch(self, batch: Batch) -> Launched:
+        """A batch of one-token rows runs as a decode step (its captured graph on CUDA).
+        In a batch with longer rows, its leading one-token rows (the scheduler puts the
+        decodes first) still run as a decode step and the rest as prefill forwards, so a
+        decode row's numbers never depend on what else shares its step; with
+        `mixed_steps="joined"` every row runs in the prefill forward instead (the weights
+        read once per step, the decode rows on the prefill's products). Nothing here waits
+        on the device unless a row captures hidden states."""
+        plan = self._need_plan()
+        check_batch(self.config, plan, batch)
+        rows = batch.rows
+        n = len(rows)
+        feeds = any(r.from_pick is not None for r in rows)
+        if feeds:
+            last = self._last_sampled
+            for r in rows:
+                j = r.from_pick
+                if j is not None and not (0 <= j < len(last) and last[j]):
+                    raise FailedPrecondition(f"a row feeds the pick of row {j} of the "
+                                             "previous forward, which made none")
+        d = next((i for i, r in enumerate(rows) if r.length > 1), n)  # leading decodes
+        if d < n and self.mixed_steps == "joined":
+            d = 0
+        decodes = rows[:d]
+        hidden: list[HiddenStates | None] = [None] * n
+        bucket = self._stage_decode(decodes, feeds) if d else 0
+        if d < n:  # before the decode: its picks overwrite those this part may feed on
+            hidden[d:] = self._prefill(rows[d:], d, feeds)
+        if d:
+            hidden[:d] = self._decode(decodes, bucket)
+        if d < n:
+            self.forward.head(self.state.x_last[d:n], self.forward.fuses(n - d, False), d)
+        specs = [r.sample or _PLACEHOLDER for r in rows]
+        self._last_sampled = tuple(r.sample is not None for r in rows)
+        return Launched(self.picks.start(specs, has_argmax=d == n), self._last_sampled,
+                        hidden)
+
+    def read(self, handle: Launched) -> StepOutput:
+        picks = self.picks.wait(handle.picks)
+        return StepOutput([p if wanted else None
+                           for p, wanted in zip(picks, handle.sampled, strict=True)],
+                          handle.hidden)
+
+    def _stage_decode(self, rows: Sequence[Row], feeds: bool) -> int:
+        """Stage one-token rows for the decode step; returns its bucket."""
+        b = len(rows)
+        bucket = self.graphs.bucket_for(b) if self.graphs is not None else b
+        self.stager.stage([DecodeRow(_token(r, 0), r.start, r.pages) for r in rows], bucket)
+        if feeds:
+            self.picks.feed(self.state.inputs[:b])
+        return bucket
+
+    def _decode(self, rows: Sequence[Row], bucket: int) -> list[HiddenStates | None]:
+        """The staged decode step: logits rows and greedy picks 0 .. len(rows)-1."""
+        plan, s = self._need_plan(), self.state
+        b = len(rows)
+        capture = plan.hidden_layer is not None and any(r.capture_hidden for r in rows)
+        if self.graphs is not None:
+            self.graphs.replay(bucket)
+        else:
+            ids, positions, tables = decode_views(s, b)
+            self.forward.decode(b, ids, positions, tables, capture)
+        if not capture:
+            return [None] * b
+        emb, states = _host_copy(s.cap_emb[:b]), _host_copy(s.cap_state[:b])
+        return [HiddenStates(emb[i:i + 1], states[i:i + 1], r.start)
+                if r.capture_hidden else None for i, r in enumerate(rows)]
+
+    def _prefill(self, rows: Sequence[Row], first: int, feeds: bool
+                 ) -> list[HiddenStates | None]:
+        """`rows` (batch rows first ..) in forwards of up to a pass's tokens each (one,
+        unless they hold more than the runtime's step budget); each row's last residual
+        goes to its batch row of `x_last`, for the head."""
+        plan, s, stager = self._need_plan(), self.state, self.prefill_stager
+        tokens = [[_token(r, i) for i in range(r.length)] for r in rows]
+        capture = plan.hidden_layer is not None and any(r.capture_hidden for r in rows)
+        caps = CapturedStates(rows)
+        for p in split_passes(Batch(rows), tokens, stager.max_tokens, stager.max_tokens):
+            chunks = [PrefillChunk(seg.tokens, seg.start, seg.pages,
+                                   first + seg.row if seg.is_last else plan.max_batch)
+                      for seg in p.segments]
+            stager.check(chunks, plan.max_seq)
+            graphs = self.prefill_graphs
+            bucket = graphs.bucket_for(p.num_tokens) if graphs is not None else None
+            if graphs is not None and bucket is not None:
+                layout = graphs.stage(chunks, bucket)
+            else:
+                layout = stager.stage(chunks, self.forward.ops.prefill_block(p.num_tokens))
+            if feeds and any(rows[seg.row].from_pick is not None for seg in p.segments):
+                self.picks.feed(layout.ids)
+            if graphs is not None and bucket is not None:
+                graphs.replay(bucket)
+            else:
+                self.forward.prefill(layout, capture and p.capture)
+            if capture and p.capture:
+                caps.add(p, _host_copy(s.cap_emb[:p.num_tokens]),
+                         _host_copy(s.cap_state[:p.num_tokens]))
+        return caps.joined() if capture else [None] * len(rows)
+
+    def sample(self, specs: Sequence[SampleSpec]) -> list[int]:
+        self._need_plan()
+        return self.picks.wait(self.picks.start(specs, has_argmax=False))
+
+    def logits(self, num_rows: int) -> np.ndarray:
+        self._need_plan()
+        return _host_copy(self.state.logits[:num_rows])
+
+
+def _host_copy(t: torch.Tensor) -> np.ndarray:
+    """A host array that owns its data (a CPU tensor's numpy view would alias a buffer).
+    On the CPU numpy makes the copy, so captured states handed to the runtime (which may
+    hold a step's until it reads the next) never sit in torch's allocator."""
+    if t.device.type == "cpu":
+        return np.array(t.numpy(), copy=True)
+    out: np.ndarray = t.to("cpu", copy=True).numpy()
+    return out
+
