@@ -1,9 +1,9 @@
 """How much of the in-process decode rate the Step stream delivers, on CPU, with a step that
 leaves the interpreter free the way a GPU step does.
 
-The engine is the numpy engine on the embedded stories260K model, and each `decode()` also
+The engine is the numpy engine on the embedded stories260K model, and each forward pass also
 sleeps S ms (`time.sleep` releases the GIL, as a thread waiting on an accelerator does):
-  - at the start of `decode()`, before its math: like the torch engine on CUDA, where the step
+  - at the start of the pass, before its math: like the torch engine on CUDA, where the step
     launches its graph and then waits, and the host work (token acceptance, text, events)
     follows the wait;
   - at its end, after the math: the host work comes before the wait, where it competes for
@@ -28,14 +28,14 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_paths  # noqa: E402
+import numpy as np  # noqa: E402
 
-from llm_runner_svc.engines.base import DecodeRow, HiddenStates  # noqa: E402
+from llm_runner_svc.engines.batch import Pass  # noqa: E402
 from llm_runner_svc.engines.numpy_engine import NumpyEngine  # noqa: E402
 from llm_runner_svc.models import Model, load_model  # noqa: E402
 from llm_runner_svc.runtime import InferenceRuntime, RuntimeConfig  # noqa: E402
@@ -45,8 +45,8 @@ PROMPT = [1, 403, 407, 261, 378, 365, 280, 314]  # a short story opening, as tok
 
 
 class SleepyEngine(NumpyEngine):
-    """The numpy engine whose decode step also waits `sleep_s` with the GIL released, before
-    its math (`sleep_first`) or after it. Without `math`, the decode does no model math at
+    """The numpy engine whose forward passes also wait `sleep_s` with the GIL released, before
+    its math (`sleep_first`) or after it. Without `math`, a pass does no model math at
     all: each row's logits pick a token that moves on every step (from a range of ordinary
     text pieces), so what is measured is the host's own work per step."""
 
@@ -58,21 +58,22 @@ class SleepyEngine(NumpyEngine):
         self.math = math
         self._turn = 0
 
-    def decode(self, rows: Sequence[DecodeRow]) -> list[HiddenStates | None]:
+    def _run(self, p: Pass) -> tuple[np.ndarray, np.ndarray] | None:
         if self.sleep_first:
             time.sleep(self.sleep_s)
+        states = None
         if self.math:
-            hidden = super().decode(rows)
+            states = super()._run(p)
         else:
-            hidden = [None] * len(rows)
-            logits = self.logits(len(rows))
-            logits.fill(0.0)
             self._turn += 1
-            for i in range(len(rows)):
-                logits[i, 300 + (7 * self._turn + i) % 150] = 1.0
+            for seg in p.segments:
+                if seg.wants_logits:
+                    row = self._logits[seg.row]
+                    row.fill(0.0)
+                    row[300 + (7 * self._turn + seg.row) % 150] = 1.0
         if not self.sleep_first:
             time.sleep(self.sleep_s)
-        return hidden
+        return states
 
 
 @dataclass(frozen=True)
