@@ -11,10 +11,15 @@ For each model and batch size: prefill tokens/s (every request's prompt), decode
 
 With --stall: while 4 requests decode, a 1,024-token prompt joins; prints the longest step
 against the median decode step before it, with the whole prompt in one step (an unlimited
-token budget, the behaviour before chunked prefill) and with each budget of --budgets.
+token budget, the behaviour before chunked prefill) and with each budget of --budgets
+(`default`: the engine's own, `Engine.default_step_tokens`), and the same prompt's time to
+first token alone (nothing else running) at that budget: what the short steps cost. With
+--repeats N every case runs N times and each step keeps its least time (other work on a
+loaded machine only ever adds time to a step).
 
 Usage: python benchmarks/bench_runtime.py [--models stories260K,smollm2] [--batches 1,8,32]
-       python benchmarks/bench_runtime.py --stall --models smollm2 [--budgets 16,32] [--cpu-clock]
+       python benchmarks/bench_runtime.py --stall --models smollm2 [--budgets default,16,32]
+           [--cpu-clock] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -121,14 +126,56 @@ def engine_step_time(rt: InferenceRuntime, batch: int, steps: int = 10) -> float
     return elapsed
 
 
-def stall(model: Model, budget: int, clock: Callable[[], float]) -> dict[str, float]:
-    """Step times while STALL_DECODERS requests decode and a STALL_PROMPT-token prompt joins:
-    the median decode step before the join, and the longest step until its first token.
-    `clock`: wall time, or the stepping thread's CPU time (steady on a loaded machine)."""
+def stall_runtime(model: Model, budget: int) -> InferenceRuntime:
+    """The runtime of the stall measurement; `budget` 0: the engine's default."""
     rt = InferenceRuntime(create_engine("numpy", model.config, model.weights), model.tokenizer,
                           RuntimeConfig(max_batch=STALL_DECODERS + 1,
                                         max_seq=STALL_PROMPT + 256, max_tokens_per_step=budget))
     rt.preallocate()
+    return rt
+
+
+def steps_to_first_token(rt: InferenceRuntime, prompt: list[int],
+                         clock: Callable[[], float]) -> list[float]:
+    """Submit `prompt` and step until its first token; each step's time."""
+    rt.submit(GenerationRequest("long", prompt, SamplingParams(0.0, 1, 1.0, 4),
+                                ignore_eos=True))
+    during, first = [], False
+    while not first:
+        t0 = clock()
+        events = rt.step()
+        during.append(clock() - t0)
+        first = any(ev.request_id == "long" and ev.token_ids for ev in events)
+    return during
+
+
+def alone_steps(model: Model, budget: int, clock: Callable[[], float]) -> list[float]:
+    """Step times until the first token of a STALL_PROMPT-token prompt with nothing else
+    running (after a short warm-up request): the prefill's own cost at this budget."""
+    rt = stall_runtime(model, budget)
+    rng = np.random.default_rng(1)
+    rt.submit(GenerationRequest("warm", rng.integers(3, model.config.vocab_size, 16).tolist(),
+                                SamplingParams(0.0, 1, 1.0, 2), ignore_eos=True))
+    while rt.has_work:
+        rt.step()
+    during = steps_to_first_token(
+        rt, rng.integers(3, model.config.vocab_size, STALL_PROMPT).tolist(), clock)
+    rt.close()
+    return during
+
+
+def least(runs: list[list[float]]) -> list[float]:
+    """Each step's least time over identical runs (the same steps every run): a loaded
+    machine only ever adds time to a step."""
+    return [min(times) for times in zip(*runs, strict=True)]
+
+
+def stall_steps(model: Model, budget: int, clock: Callable[[], float]
+                ) -> tuple[int, list[float], list[float]]:
+    """Tokens per step, and step times while STALL_DECODERS requests decode: DECODE_STEPS
+    before a STALL_PROMPT-token prompt joins, then every step until its first token."""
+    rt = stall_runtime(model, budget)
+    tokens = rt.step_tokens
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     for i in range(STALL_DECODERS):
@@ -141,37 +188,54 @@ def stall(model: Model, budget: int, clock: Callable[[], float]) -> dict[str, fl
         t0 = clock()
         rt.step()
         before.append(clock() - t0)
-    rt.submit(GenerationRequest("long", rng.integers(3, vocab, STALL_PROMPT).tolist(),
-                                SamplingParams(0.0, 1, 1.0, 4), ignore_eos=True))
-    during, first = [], False
-    while not first:
-        t0 = clock()
-        events = rt.step()
-        during.append(clock() - t0)
-        first = any(ev.request_id == "long" and ev.token_ids for ev in events)
+    during = steps_to_first_token(rt, rng.integers(3, vocab, STALL_PROMPT).tolist(), clock)
     rt.close()
+    return tokens, before, during
+
+
+def stall(model: Model, budget: int, clock: Callable[[], float],
+          repeats: int) -> dict[str, float]:
+    """The median decode step before the join, the longest step until the first token, and
+    the times to first token, with each step's least time over `repeats` runs.
+    `clock`: wall time, or the stepping thread's CPU time (steadier on a loaded machine)."""
+    runs = [stall_steps(model, budget, clock) for _ in range(repeats)]
+    before, during = least([r[1] for r in runs]), least([r[2] for r in runs])
+    alone = least([alone_steps(model, budget, clock) for _ in range(repeats)])
     median = float(np.median(before))
     print("  longest steps ms:", [round(x * 1e3) for x in sorted(during)[-4:]],
           "at", sorted(range(len(during)), key=during.__getitem__)[-4:])
-    return {"median_ms": median * 1e3, "longest_ms": max(during) * 1e3,
+    return {"tokens": runs[0][0], "median_ms": median * 1e3, "longest_ms": max(during) * 1e3,
             "ratio": max(during) / median, "steps": len(during),
-            "ttft_ms": sum(during) * 1e3}
+            "ttft_ms": sum(during) * 1e3, "alone_ttft_ms": sum(alone) * 1e3}
 
 
-def main_stall(models: list[str], budgets: list[int], cpu_clock: bool) -> None:
+def parse_budgets(text: str) -> list[int]:
+    """`default,16,32` -> [0, 16, 32] (0: the engine's default budget)."""
+    return [0 if x == "default" else int(x) for x in text.split(",")]
+
+
+def budget_label(budget: int, tokens: int) -> str:
+    if budget == UNLIMITED:
+        return "unlimited"
+    return f"default {tokens}" if budget == 0 else str(tokens)
+
+
+def main_stall(models: list[str], budgets: list[int], cpu_clock: bool, repeats: int) -> None:
     clock = time.thread_time if cpu_clock else time.perf_counter
     print(f"{STALL_DECODERS} requests decoding, a {STALL_PROMPT}-token prompt joins; "
           f"{'CPU time of the stepping thread' if cpu_clock else 'wall time'}, "
-          f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '(auto)')}")
+          f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '(auto)')}, "
+          f"each step's least over {repeats} run(s)")
     print(f"{'model':<12} {'tokens/step':>11} {'median decode ms':>16} {'longest step ms':>15} "
-          f"{'ratio':>6} {'steps to 1st token':>18} {'TTFT ms':>8}")
+          f"{'ratio':>6} {'steps to 1st token':>18} {'TTFT ms':>8} {'alone TTFT ms':>13}")
     for name in models:
         model = load_model(name)
         for budget in [UNLIMITED, *budgets]:
-            r = stall(model, budget, clock)
-            label = "unlimited" if budget == UNLIMITED else str(budget)
+            r = stall(model, budget, clock, repeats)
+            label = budget_label(budget, int(r["tokens"]))
             print(f"{name:<12} {label:>11} {r['median_ms']:>16.1f} {r['longest_ms']:>15.1f} "
-                  f"{r['ratio']:>6.1f} {r['steps']:>18.0f} {r['ttft_ms']:>8.0f}")
+                  f"{r['ratio']:>6.1f} {r['steps']:>18.0f} {r['ttft_ms']:>8.0f} "
+                  f"{r['alone_ttft_ms']:>13.0f}", flush=True)
 
 
 def main() -> None:
@@ -179,14 +243,17 @@ def main() -> None:
     ap.add_argument("--models", default="stories260K,smollm2")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--stall", action="store_true", help="the join-stall measurement")
-    ap.add_argument("--budgets", default="16,32", help="tokens per step for --stall")
+    ap.add_argument("--budgets", default="default,16,32",
+                    help="tokens per step for --stall; `default`: the engine's own")
     ap.add_argument("--cpu-clock", action="store_true",
                     help="--stall times the stepping thread's CPU time (a loaded machine; run "
                          "with OPENBLAS_NUM_THREADS=1 so BLAS works on that thread)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="--stall runs each case this often and keeps each step's least time")
     args = ap.parse_args()
     if args.stall:
-        main_stall(args.models.split(","), [int(x) for x in args.budgets.split(",")],
-                   args.cpu_clock)
+        main_stall(args.models.split(","), parse_budgets(args.budgets), args.cpu_clock,
+                   args.repeats)
         return
     print(f"machine: {platform.machine()} cpus={os.cpu_count()} "
           f"python={platform.python_version()} numpy={np.__version__} "

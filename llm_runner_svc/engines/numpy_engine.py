@@ -54,6 +54,11 @@ class _Layer:
 
 class NumpyEngine(BatchedEngine):
     name = "numpy"
+    # A CPU step is bound by its products: each prompt token beside 4 decode rows costs
+    # about a tenth of a SmolLM2 decode step, so 16 tokens a step keep a long prompt that
+    # joins running decodes within 3x a decode step; a long prompt alone reaches its first
+    # token about 1.5x later than at 512 (docs/benchmarks.md, bench_runtime.py --stall).
+    default_step_tokens = 16
 
     def __init__(self, config: ModelConfig, weights: ModelWeights,
                  kv_dtype: str = "float32") -> None:

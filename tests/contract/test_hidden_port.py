@@ -24,10 +24,21 @@ HIDDEN = StageConfig(max_seq=512, emits=("text", "tokens", "hidden"))
 PROMPT = "Once upon a time, in a big forest, there lived a little fox"
 
 
-def reference(stories: Model, seed: int, max_tokens: int, batch: int = 1,
-              max_tokens_per_step: int = 0) -> tuple[list, str]:
+def prompt_joined(windows: list, prompt_len: int) -> list:
+    """The runtime's windows with the prompt's pieces (one per step that prefilled part of
+    it) as one window, as the stage publishes them."""
+    pieces = [w for w in windows if w[0] < prompt_len]
+    whole = (0, np.concatenate([w[1] for w in pieces]), np.concatenate([w[2] for w in pieces]))
+    return [whole, *windows[len(pieces):]]
+
+
+def reference(stories: Model, seed: int, max_tokens: int, batch: int = 1, index: int = 0,
+              max_tokens_per_step: int = 0, is_raw: bool = False) -> tuple[list, str]:
     """The (start_position, embeddings, states) windows the in-process runtime captures for
-    the request (run `batch` times at once, as the stage batches them), and its finish reason."""
+    the request (run `batch` times at once, as the stage batches them; `index`: which of
+    them), the prompt's as one unless `is_raw`, and its finish reason. A prompt's states
+    depend on how the step budget cut its prefill (the engine's products round by their row
+    count), so each request of a batch has its own reference."""
     rt = make_runtime(stories, max_batch=8, max_seq=512, hidden_layer=-1,
                       max_tokens_per_step=max_tokens_per_step)
     try:
@@ -39,10 +50,10 @@ def reference(stories: Model, seed: int, max_tokens: int, batch: int = 1,
         windows, reason = [], None
         while rt.has_work:
             for ev in rt.step():
-                if ev.request_id == "ref0":
+                if ev.request_id == f"ref{index}":
                     windows += [(h.start_position, h.embeddings, h.states) for h in ev.hidden]
                     reason = ev.finish_reason or reason
-        return windows, reason.value
+        return (windows if is_raw else prompt_joined(windows, len(ids))), reason.value
     finally:
         rt.close()
 
@@ -154,16 +165,14 @@ def test_a_prompt_prefilled_over_several_steps_arrives_as_one_window(stories: Mo
         consumer.join(30)
     assert consumer.error is None and held == 0
     prompt_len = len(stories.tokenizer.encode(PROMPT))
-    ref, reason = reference(stories, 3, 5, max_tokens_per_step=8)
-    pieces = [r for r in ref if r[0] < prompt_len]
-    assert [r[0] for r in pieces] == [0, 8, 16]  # the runtime did prefill in pieces
+    ref, reason = reference(stories, 3, 5, max_tokens_per_step=8, is_raw=True)
+    assert [r[0] for r in ref if r[0] < prompt_len] == [0, 8, 16]  # prefilled in pieces
     first = consumer.messages[0]
     assert first.is_prefill and first.start_position == 0
     assert first.states.shape == (prompt_len, 64)
     assert first.token_ids == tuple(stories.tokenizer.encode(PROMPT))
     assert sum(isinstance(m, HiddenWindow) and m.is_prefill for m in consumer.messages) == 1
-    whole = (0, np.concatenate([r[1] for r in pieces]), np.concatenate([r[2] for r in pieces]))
-    assert_lossless(consumer.messages, ([whole, *ref[len(pieces):]], reason), prompt_len)
+    assert_lossless(consumer.messages, (prompt_joined(ref, prompt_len), reason), prompt_len)
     crc = 0
     for m in consumer.messages:
         if isinstance(m, HiddenWindow):
@@ -252,10 +261,9 @@ def test_whole_stage_subscription_sees_every_request(hidden_server: StageServer,
         assert time.monotonic() < deadline
         time.sleep(0.02)
     prompt_len = len(stories.tokenizer.encode(PROMPT))
-    ref = reference(stories, 3, 30, batch=3)  # the same three rows, decoded together
-    for i in range(3):
+    for i in range(3):  # the same three rows, prefilled and decoded together
         mine = [m for m in consumer.messages if m.request_id == f"all-{shm}-{i}"]
-        assert_lossless(mine, ref, prompt_len)
+        assert_lossless(mine, reference(stories, 3, 30, batch=3, index=i), prompt_len)
     for sid in (21, 22, 23):
         hidden_server.stub.Finish(pb.FinishRequest(slot_id=sid))
         hidden_server.stub.Reset(pb.ResetRequest(slot_id=sid))
@@ -287,7 +295,7 @@ def test_a_lagging_whole_stage_reader_gets_its_backlog_whole_and_in_order(
     assert blocks and all(b.states.shape == (len(b.request_ids), 64) for b in blocks)
     rows = [w for m in consumer.messages
             for w in (m.windows() if isinstance(m, HiddenBlock) else [m])]
-    ref = reference(stories, 3, 30, batch=2)
     for i in range(2):
-        assert_lossless([m for m in rows if m.request_id == f"lag-{i}"], ref,
+        assert_lossless([m for m in rows if m.request_id == f"lag-{i}"],
+                        reference(stories, 3, 30, batch=2, index=i),
                         len(stories.tokenizer.encode(PROMPT)))
