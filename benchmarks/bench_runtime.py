@@ -9,6 +9,9 @@ For each model and batch size: prefill tokens/s (every request's prompt), decode
     widths, i.e. the fixed Python and per-call cost of issuing the numpy ops.
 "Python outside numpy" is runtime + dispatch, as a share of the step.
 
+With --hidden-layer, the deployment declares the hidden port (nothing is captured): prompt
+tokens then run by aligned blocks of the page size, as the hidden port needs.
+
 With --stall: while 4 requests decode, a 1,024-token prompt joins; prints the longest step
 against the median decode step before it, with the whole prompt in one step (an unlimited
 token budget, the behaviour before chunked prefill) and with each budget of --budgets
@@ -18,6 +21,7 @@ first token alone (nothing else running) at that budget: what the short steps co
 loaded machine only ever adds time to a step).
 
 Usage: python benchmarks/bench_runtime.py [--models stories260K,smollm2] [--batches 1,8,32]
+                                         [--hidden-layer -1]
        python benchmarks/bench_runtime.py --stall --models smollm2 [--budgets default,16,32]
            [--cpu-clock] [--repeats 3]
 """
@@ -65,11 +69,12 @@ def toy_like(cfg: ModelConfig) -> tuple[ModelConfig, ModelWeights]:
     return c, ModelWeights(embedding=z(c.vocab_size, 8), layers=layers, final_norm=z(8))
 
 
-def bench(model: Model, batch: int) -> dict[str, float]:
+def bench(model: Model, batch: int, hidden_layer: int | None = None) -> dict[str, float]:
     max_seq = PROMPT_LEN + DECODE_STEPS + 8
     rt = InferenceRuntime(create_engine("numpy", model.config, model.weights), model.tokenizer,
                           RuntimeConfig(max_batch=batch, max_seq=max_seq, prefill_chunk=128,
-                                        max_tokens_per_step=UNLIMITED))
+                                        max_tokens_per_step=UNLIMITED,
+                                        hidden_layer=hidden_layer))
     rt.preallocate()
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
@@ -243,6 +248,8 @@ def main() -> None:
     ap.add_argument("--models", default="stories260K,smollm2")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--stall", action="store_true", help="the join-stall measurement")
+    ap.add_argument("--hidden-layer", type=int, default=None,
+                    help="declare the hidden port (accept_hidden_layer); nothing is captured")
     ap.add_argument("--budgets", default="default,16,32",
                     help="tokens per step for --stall; `default`: the engine's own")
     ap.add_argument("--cpu-clock", action="store_true",
@@ -267,7 +274,7 @@ def main() -> None:
         model = load_model(name)
         base = None
         for b in [int(x) for x in args.batches.split(",")]:
-            r = bench(model, b)
+            r = bench(model, b, args.hidden_layer)
             base = base or r["decode_tok_s"]
             print(f"{name:<12} {b:>5} {r['prefill_tok_s']:>14.0f} {r['decode_tok_s']:>13.1f} "
                   f"{r['step_ms']:>8.2f} {r['engine_ms']:>10.2f} {100 * r['runtime_share']:>8.1f}% "

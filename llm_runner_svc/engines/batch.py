@@ -47,7 +47,9 @@ class Row:
 
     `from_pick` names a row of the engine's previous forward: this row feeds that row's pick
     (one token, still on the engine when the runtime builds this batch) and `tokens` is
-    empty. Otherwise `tokens` holds the tokens to feed.
+    empty. Otherwise `tokens` holds the tokens to feed. Positions below `prompt_end` hold
+    the request's prompt, the rest tokens it generated (an engine may compute the two
+    differently; None, as in the single-request calls: not known, all taken as generated).
     """
 
     tokens: tuple[int, ...]
@@ -56,6 +58,7 @@ class Row:
     sample: SampleSpec | None = None  # pick a token after the last position
     capture_hidden: bool = False
     from_pick: int | None = None
+    prompt_end: int | None = None
 
     @property
     def length(self) -> int:
@@ -98,6 +101,7 @@ class Segment:
     pages: Sequence[int]
     is_last: bool  # the row ends here
     wants_logits: bool  # its last token's logits go to logits row `row`
+    prompt_end: int | None = None  # the row's: positions below it are prompt tokens
 
 
 @dataclass
@@ -130,7 +134,8 @@ def split_passes(batch: Batch, tokens: list[list[int]], max_tokens: int,
             n = min(len(toks) - lo, max_tokens - used, max_segment)
             is_last = lo + n == len(toks)
             current.append(Segment(i, used, toks[lo:lo + n], row.start + lo, row.pages,
-                                   is_last, is_last and (batch.keep_logits or bool(row.sample))))
+                                   is_last, is_last and (batch.keep_logits or bool(row.sample)),
+                                   row.prompt_end))
             capture = capture or row.capture_hidden
             used += n
             lo += n
@@ -138,3 +143,34 @@ def split_passes(batch: Batch, tokens: list[list[int]], max_tokens: int,
         passes.append(Pass(current, capture))
     return passes
 
+
+
+def split_prompt(s: Segment) -> tuple[Segment | None, Segment | None]:
+    """`s` cut where its prompt tokens end: (prompt part, generated part), None for a part
+    without tokens. Only the last part keeps `wants_logits`."""
+    end = s.start if s.prompt_end is None else s.prompt_end
+    k = min(max(end - s.start, 0), len(s.tokens))
+    if k == len(s.tokens):
+        return s, None
+    if k == 0:
+        return None, s
+    head = Segment(s.row, s.offset, s.tokens[:k], s.start, s.pages, False, False, s.prompt_end)
+    tail = Segment(s.row, s.offset + k, s.tokens[k:], s.start + k, s.pages, s.is_last,
+                   s.wants_logits, s.prompt_end)
+    return head, tail
+
+
+def aligned_pieces(s: Segment | None, block: int) -> list[Segment]:
+    """`s` cut at the positions that are multiples of `block`; only the last piece keeps
+    `is_last` and `wants_logits`."""
+    if s is None:
+        return []
+    pieces = []
+    lo, n = 0, len(s.tokens)
+    while lo < n:
+        k = min(n - lo, block - (s.start + lo) % block)
+        end = lo + k == n
+        pieces.append(Segment(s.row, s.offset + lo, s.tokens[lo:lo + k], s.start + lo, s.pages,
+                              s.is_last and end, s.wants_logits and end, s.prompt_end))
+        lo += k
+    return pieces

@@ -9,6 +9,7 @@ to 1.7x faster (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,17 +21,19 @@ from llm_runner_svc.engines.base import (
     check_token_ids,
     is_same_plan,
 )
-from llm_runner_svc.engines.batch import Pass, Segment
+from llm_runner_svc.engines.batch import Pass, Segment, aligned_pieces, split_prompt
 from llm_runner_svc.engines.batched import BatchedEngine
+from llm_runner_svc.engines.numpy_attention import Singles, attend_prefill, attend_singles
 from llm_runner_svc.engines.numpy_kernels import (
     apply_rope,
     rms_norm,
     rope_tables,
     round_to_bf16,
-    softmax_,
 )
 from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.models.spec import ModelConfig, ModelWeights
+
+PROMPT_BLOCK = 16  # rows of a prompt block with a hidden port (at most the page size)
 
 
 def _in_out(w: np.ndarray) -> np.ndarray:
@@ -104,7 +107,11 @@ class NumpyEngine(BatchedEngine):
             return
         c = self.config
         check_hidden_layer(c, plan)
-        rows = plan.max_tokens
+        # With a hidden port, published states must not depend on how a prompt was cut
+        # into passes: prompt tokens then run by aligned blocks (`_run_block`).
+        self._by_blocks = plan.hidden_layer is not None
+        self._block = math.gcd(plan.page_size, PROMPT_BLOCK)
+        rows = max(plan.max_tokens, self._block)
         qkv_dim = c.q_dim + 2 * c.kv_dim
         # Token-major pool, keys and values side by side as they leave the qkv matmul: page p
         # holds rows p*page_size .. (p+1)*page_size-1, so one row take gathers a request's
@@ -143,24 +150,62 @@ class NumpyEngine(BatchedEngine):
 
     # ---- forward ---------------------------------------------------------------------
     def _run(self, p: Pass) -> tuple[np.ndarray, np.ndarray] | None:
-        """Every segment's tokens through the layers together, so the weights are read once
-        per pass. A pass that captures hidden states runs its one-token segments together
-        and each longer one on its own instead: a captured state then never depends on
-        what else shares the pass (BLAS picks its kernels by the row count), which the
-        hidden port's byte-exact consumers rely on."""
-        if not p.capture:
-            self._run_group(p.segments, None)
-            return None
-        hidden = self.config.hidden_size
-        n = p.num_tokens
-        caps = (np.empty((n, hidden), np.float32), np.empty((n, hidden), np.float32))
-        singles = [s for s in p.segments if len(s.tokens) == 1]
+        """Without a hidden port, every segment's tokens go through the layers together, so
+        the weights are read once per pass. With one, prompt tokens go by aligned blocks
+        (`_run_block`) and generated ones as before, their one-token segments together."""
+        caps = None
+        if p.capture:
+            hidden = self.config.hidden_size
+            caps = (np.empty((p.num_tokens, hidden), np.float32),
+                    np.empty((p.num_tokens, hidden), np.float32))
+        if not self._by_blocks:
+            self._run_group(p.segments, caps)
+            return caps
+        singles: list[Segment] = []
+        for s in p.segments:
+            prompt, generated = split_prompt(s)
+            for piece in aligned_pieces(prompt, self._block):
+                self._run_block(piece, caps)
+            if generated is not None and len(generated.tokens) == 1:
+                singles.append(generated)
+            elif generated is not None:
+                self._run_group([generated], caps)
         if singles:
             self._run_group(singles, caps)
-        for s in p.segments:
-            if len(s.tokens) > 1:
-                self._run_group([s], caps)
         return caps
+
+    def _run_block(self, piece: Segment, caps: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """Prompt tokens of one request inside one aligned block of `_block` positions
+        (within one page), run as that whole block: position q sits in row q % block of
+        every product, the other rows padding whose KV is not stored, and attention spans
+        the block's pages. A prompt token's states, KV and logits are then the same however
+        the prompt was cut into chunks or which prefix came from the prefix cache (BLAS
+        rounds a row by the row count and the row's place in the product, so those stay
+        fixed), at the cost of padded rows for chunks smaller than a block."""
+        plan = self._checked_plan()
+        ps, b = plan.page_size, self._block
+        lo = piece.start % b
+        k = len(piece.tokens)
+        pos = np.arange(piece.start - lo, piece.start - lo + b)  # [b]
+        table = np.asarray(piece.pages, dtype=np.int64)
+        real = slice(lo, lo + k)
+        slots = table[pos[real] // ps] * ps + pos[real] % ps  # [k] pool rows
+        ids = [piece.tokens[0]] * b
+        ids[real] = piece.tokens
+        self._embed(ids, b)
+
+        def attend(layer: int, q: np.ndarray, kv: np.ndarray) -> None:
+            self._store_kv(layer, slots, kv[real])
+            self._attn[:b] = attend_prefill(self.config, self._kv_pool[layer], ps, q, table, pos)
+
+        self._run_layers(b, pos, attend, caps is not None)
+        if piece.wants_logits:  # one row, as every prompt's last token
+            last = lo + k - 1
+            h = rms_norm(self._x[last:last + 1], self._final_norm, self.config.rms_eps)
+            np.matmul(h, self._lm_head_t, out=self._logits[piece.row:piece.row + 1])
+        if caps is not None:
+            caps[0][piece.offset:piece.offset + k] = self._cap_emb[real]
+            caps[1][piece.offset:piece.offset + k] = self._cap_state[real]
 
     def _run_group(self, segs: list[Segment],
                    caps: tuple[np.ndarray, np.ndarray] | None) -> None:
@@ -177,17 +222,19 @@ class NumpyEngine(BatchedEngine):
         at = np.cumsum([0] + [len(s.tokens) for s in segs])  # each segment's first row
         ones = [i for i, s in enumerate(segs) if len(s.tokens) == 1]
         many = [i for i, s in enumerate(segs) if len(s.tokens) > 1]
-        single = _Singles.build([segs[i] for i in ones], plan) if ones else None
+        single = Singles.build([segs[i] for i in ones], ps) if ones else None
         rows: slice | np.ndarray = slice(0, len(ones)) if not many else at[ones]
         self._embed([t for s in segs for t in s.tokens], n)
 
         def attend(layer: int, q: np.ndarray, kv: np.ndarray) -> None:
             self._store_kv(layer, slots, kv)
+            pool = self._kv_pool[layer]
             if single is not None:
-                self._attend_singles(layer, q, single, rows)
+                self._attn[rows] = attend_singles(self.config, pool, q[rows], single)
             for i in many:
                 span = slice(int(at[i]), int(at[i + 1]))
-                self._attend_prefill(layer, q, tables[i], spans[i], span)
+                self._attn[span] = attend_prefill(self.config, pool, ps, q[span], tables[i],
+                                                  spans[i])
 
         self._run_layers(n, pos, attend, caps is not None)
         last = [int(at[i + 1]) - 1 for i, s in enumerate(segs) if s.wants_logits]
@@ -253,70 +300,3 @@ class NumpyEngine(BatchedEngine):
         """Keys and values [n, 2 kv_dim] into `layer`'s pool rows `slots` [n], the one place
         they enter the pool (rounded to bf16 under kv_dtype "bfloat16")."""
         self._kv_pool[layer][slots] = round_to_bf16(kv) if self._round_kv else kv
-
-    def _attend_prefill(self, layer: int, q_all: np.ndarray, table: np.ndarray,
-                        pos: np.ndarray, rows_of: slice) -> None:
-        """Rows `rows_of` of q [*, q_dim]: one request at positions `pos` [n] (their KV
-        already stored), attending causally over its pages."""
-        c, ps = self.config, self._checked_plan().page_size
-        q = q_all[rows_of]
-        n = q.shape[0]
-        end = int(pos[-1]) + 1
-        pages = table[:(end - 1) // ps + 1]
-        span = pages.shape[0] * ps
-        rows = (pages[:, None] * ps + np.arange(ps)).reshape(-1)  # [span] pool rows
-        g = c.num_heads // c.num_kv_heads
-        window = np.take(self._kv_pool[layer], rows, axis=0).reshape(
-            span, 2, c.num_kv_heads, c.head_dim)
-        keys_t = window[:, 0].transpose(1, 2, 0)[:, None]  # [kv, 1, hd, span]
-        vals_t = window[:, 1].transpose(1, 0, 2)[:, None]  # [kv, 1, span, hd]
-        qh = q.reshape(n, c.num_kv_heads, g, c.head_dim).transpose(1, 2, 0, 3)  # [kv, g, n, hd]
-        scores = np.matmul(qh, keys_t)  # [kv, g, n, span]
-        scores *= np.float32(1.0 / np.sqrt(c.head_dim))
-        visible = np.arange(span)[None, :] <= pos[:, None]  # [n, span] causal
-        scores[..., ~visible] = -np.inf
-        softmax_(scores)
-        out = np.matmul(scores, vals_t)  # [kv, g, n, hd]
-        self._attn[rows_of] = out.transpose(2, 0, 1, 3).reshape(n, c.q_dim)
-
-    def _attend_singles(self, layer: int, q_all: np.ndarray, one: _Singles,
-                        rows_of: slice | np.ndarray) -> None:
-        """The one-token segments (rows `rows_of` of q) together: each attends over its
-        gathered window."""
-        c = self.config
-        q = q_all[rows_of]
-        b = q.shape[0]
-        span = one.gather.shape[0] // b
-        g = c.num_heads // c.num_kv_heads
-        window = np.take(self._kv_pool[layer], one.gather, axis=0).reshape(
-            b, span, 2, c.num_kv_heads, c.head_dim)
-        qh = q.reshape(b, c.num_kv_heads, g, c.head_dim)
-        scores = np.matmul(qh, window[:, :, 0].transpose(0, 2, 3, 1))  # [b, kv, g, span]
-        scores *= np.float32(1.0 / np.sqrt(c.head_dim))
-        scores += one.mask
-        softmax_(scores)
-        out = np.matmul(scores, window[:, :, 1].transpose(0, 2, 1, 3))  # [b, kv, g, hd]
-        self._attn[rows_of] = out.reshape(b, c.q_dim)
-
-
-@dataclass(frozen=True)
-class _Singles:
-    """Where one-token segments read: the pool rows of every segment's window page by
-    page, and the causal mask over the padded windows."""
-
-    gather: np.ndarray  # [b * span] pool rows
-    mask: np.ndarray  # [b, 1, 1, span] additive
-
-    @staticmethod
-    def build(segs: Sequence[Segment], plan: EnginePlan) -> _Singles:
-        ps = plan.page_size
-        b = len(segs)
-        pos = np.fromiter((s.start for s in segs), dtype=np.int64, count=b)
-        num_pages = int(pos.max()) // ps + 1
-        tables = np.zeros((b, num_pages), np.int64)  # short rows padded (masked)
-        for i, s in enumerate(segs):
-            m = min(num_pages, len(s.pages))
-            tables[i, :m] = s.pages[:m]
-        gather = (tables[:, :, None] * ps + np.arange(ps)).reshape(-1)
-        mask = np.where(np.arange(num_pages * ps)[None, :] <= pos[:, None], 0.0, -np.inf)
-        return _Singles(gather, mask.astype(np.float32)[:, None, None, :])

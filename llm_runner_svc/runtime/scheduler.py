@@ -203,7 +203,8 @@ class Scheduler:
                   from_pick: int | None, pick: bool) -> None:
         start = seq.computed
         spec = seq.spec(len(seq.output_ids) + seq.pending) if pick else None
-        row = Row(tokens, start, seq.pages, spec, seq.req.capture_hidden, from_pick)
+        row = Row(tokens, start, seq.pages, spec, seq.req.capture_hidden, from_pick,
+                  len(seq.req.prompt_ids))
         seq.computed = row.end
         if pick:
             seq.pending += 1
