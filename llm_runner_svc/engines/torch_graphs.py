@@ -150,21 +150,19 @@ class PrefillGraphs:
                                   pad_tokens=bucket, pad_dest=self._pad_dest)
 
     def capture(self) -> None:
-        """Warm every bucket up on a side stream, then capture them, largest first, into one
-        shared memory pool (over padding only: their writes land in the scratch page)."""
-        layouts = {b: self.stage([], b) for b in self.buckets}
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for b in self.buckets:
-                self._forward.prefill(layouts[b], self._capture_hidden)
-        torch.cuda.current_stream().wait_stream(side)
+        """Warm every bucket up, then capture them, largest first, into one shared memory
+        pool, over padding only (their writes land in the scratch page). Buckets share the
+        staging buffer, so each is staged again right before it runs: another bucket's
+        staging leaves other numbers where its views read."""
+        for b in self.buckets:
+            self._forward.prefill(self.stage([], b), self._capture_hidden)
         torch.cuda.synchronize()
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):
+            layout = self.stage([], b)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._forward.prefill(layouts[b], self._capture_hidden)
+                self._forward.prefill(layout, self._capture_hidden)
             self._graphs[b] = graph
         torch.cuda.synchronize()
 
