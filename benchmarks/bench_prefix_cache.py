@@ -95,11 +95,12 @@ def ttft(model: Model, engine: Engines, system: int, user: int) -> None:
     second, _ = run(rt, "second", sys_ids + tokens(model, user, "Question B"))
     bypass, _ = run(rt, "bypass", sys_ids + tokens(model, user, "Question B"), lookup=False)
     rt.close()
-    print("| request | cached | prefilled | TTFT ms | vs first |\n|---|---|---|---|---|")
+    print("| request | cached | prefilled | TTFT ms | of which queued | vs first |\n"
+          "|---|---|---|---|---|---|")
     for name, m in (("first (cold)", first), ("second (reuse)", second),
                     ("second, lookup bypassed", bypass)):
         print(f"| {name} | {m.cached_tokens} | {m.prefilled_tokens} | {m.ttft_ms:.1f} | "
-              f"{m.ttft_ms / first.ttft_ms:.3f}x |")
+              f"{m.queue_ms:.1f} | {m.ttft_ms / first.ttft_ms:.3f}x |")
 
 
 def conversation(model: Model, turns: int, user: int, answer: int) -> None:
@@ -133,7 +134,7 @@ class _NoText(Tokenizer):
         return ""
 
 
-def torch_model(shape: str) -> tuple[Model, Engines]:
+def torch_model(shape: str, **options: int) -> tuple[Model, Engines]:
     import torch
 
     from llm_runner_svc.engines.torch_engine import TorchEngine
@@ -143,7 +144,7 @@ def torch_model(shape: str) -> tuple[Model, Engines]:
     weights = random_weights(config, torch.device("cuda"), torch.bfloat16)
     model = Model(name=shape, format="random", config=config, weights=None,  # type: ignore[arg-type]
                   tokenizer=_NoText())
-    return model, lambda m: TorchEngine(config, weights, device="cuda")
+    return model, lambda m: TorchEngine(config, weights, device="cuda", **options)
 
 
 def main() -> None:
@@ -155,10 +156,17 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=16)
     ap.add_argument("--engine", choices=("numpy", "torch"), default="numpy")
     ap.add_argument("--shape", default="qwen2.5-7b", help="the torch engine's model shape")
+    ap.add_argument("--fused-prefill-rows", type=int, default=None,
+                    help="the torch engine's option (default: the engine's)")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=None,
+                    help="the torch engine's option (default: the engine's)")
     args = ap.parse_args()
     if args.engine == "torch":
-        model, engine = torch_model(args.shape)
-        where = f"{args.shape} (random bf16 weights) on the torch engine, CUDA"
+        options = {k: v for k, v in (("fused_prefill_rows", args.fused_prefill_rows),
+                                     ("prefill_graph_tokens", args.prefill_graph_tokens))
+                   if v is not None}
+        model, engine = torch_model(args.shape, **options)
+        where = f"{args.shape} (random bf16 weights) on the torch engine, CUDA {options}"
     else:
         model, engine = load_model(args.model), numpy_engine
         where = (f"{args.model} on the numpy engine, {platform.processor() or platform.machine()}"
