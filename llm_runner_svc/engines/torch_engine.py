@@ -39,11 +39,23 @@ from llm_runner_svc.models.spec import ModelConfig, ModelWeights
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 FUSED_ROWS = 1  # batch 1; the fused kernel's few-row variants lose to cuBLAS
 # Prefill batches up to this many tokens keep float32 activations (the parity tests' windows
-# among them); past it cuBLAS's bf16 products are what makes a long prompt fast.
+# among them) on models of up to FUSED_PREFILL_PARAMS parameters; past it cuBLAS's bf16
+# products are what makes a long prompt fast. The fused products cost more than cuBLAS's
+# where the weights are big (7B shape, H200: a 50-token prefill after a 2,000-token cached
+# prefix takes 20.8 ms on them, 7.5 ms on cuBLAS), so larger models skip them by default.
 FUSED_PREFILL_ROWS = 64
+FUSED_PREFILL_PARAMS = 1_000_000_000
 # Prefill passes up to this many tokens run from CUDA graphs: below it an eager forward's
 # launches take longer on the host than its work on the GPU (7B shapes, H200).
 PREFILL_GRAPH_TOKENS = 512
+
+
+def default_fused_prefill_rows(config: ModelConfig) -> int:
+    """FUSED_PREFILL_ROWS for a model of up to FUSED_PREFILL_PARAMS parameters, else 0."""
+    c = config
+    per_layer = c.hidden_size * (c.q_dim + 2 * c.kv_dim + c.q_dim + 3 * c.intermediate_size)
+    params = c.num_layers * per_layer + 2 * c.vocab_size * c.hidden_size
+    return FUSED_PREFILL_ROWS if params <= FUSED_PREFILL_PARAMS else 0
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -67,7 +79,7 @@ class TorchEngine(TorchSteps):
     def __init__(self, config: ModelConfig, weights: ModelWeights | TorchWeights,
                  device: str | torch.device | None = None, dtype: str | None = None,
                  kernels: str = "auto", fused_rows: int = FUSED_ROWS,
-                 fused_prefill_rows: int = FUSED_PREFILL_ROWS,
+                 fused_prefill_rows: int | None = None,
                  mixed_steps: str = "split",
                  prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS) -> None:
         """`dtype`: "float32" or "bfloat16" (default: bf16 on CUDA, float32 on the CPU).
@@ -78,7 +90,8 @@ class TorchEngine(TorchSteps):
         torch_triton_products.py, but for matrices past its GEMV_LIMITS; larger batches on
         cuBLAS. 0 turns the fused products off.
         `fused_prefill_rows`: prefill batches of at most this many tokens do too (every
-        product); longer ones multiply on cuBLAS with bf16 activations.
+        product); longer ones multiply on cuBLAS with bf16 activations. None: 64 for a
+        model of up to a billion parameters, else 0 (`default_fused_prefill_rows`).
         `mixed_steps`: how a step with decode rows and prompt chunks runs: "split" (the
         decodes as a decode step, the chunks as a prefill forward) or "joined" (one prefill
         forward over all rows); see `launch`.
@@ -95,6 +108,8 @@ class TorchEngine(TorchSteps):
         if kernels not in ("triton", "torch"):
             raise InvalidArgument(f"kernels {kernels!r}: 'triton' or 'torch'")
         self.kernels = kernels
+        if fused_prefill_rows is None:
+            fused_prefill_rows = default_fused_prefill_rows(config)
         if fused_rows < 0 or fused_prefill_rows < 0:
             raise InvalidArgument(f"fused_rows {fused_rows}, fused_prefill_rows "
                                   f"{fused_prefill_rows}: must be 0 or more")

@@ -196,3 +196,14 @@ def test_a_batch_that_does_not_fit_is_refused(stories):
     with pytest.raises(InvalidArgument, match="maxSeq"):
         eng.launch(Batch([Row((1,) * 10, 60, list(range(9)))], keep_logits=True))
     eng.close()
+
+
+def test_float32_prefill_products_are_the_default_for_small_models_only(stories):
+    from llm_runner_svc.engines.torch_engine import default_fused_prefill_rows
+    from llm_runner_svc.engines.torch_weights import named_shape
+
+    assert default_fused_prefill_rows(stories.config) == 64
+    assert default_fused_prefill_rows(named_shape("qwen2.5-0.5b")) == 64
+    assert default_fused_prefill_rows(named_shape("qwen2.5-7b")) == 0
+    eng = create_engine("torch", stories.config, stories.weights, device="cpu")
+    assert eng.fused_prefill_rows == 64
