@@ -274,3 +274,38 @@ def test_reused_prefix_delivers_the_same_hidden_states(stories, prompt, kind):
         assert rt.prefix_cache.num_snapshots == 0 and rt.prefix_cache.stats.hidden_bytes == 0
         rt.close()
 
+
+
+def test_prompt_states_under_concurrency_are_those_of_a_solo_run(stories, prompt):
+    """Capturing requests prefilled together, some reusing cached pages, each with its own
+    chunking: every prompt position's states are the bytes of its solo run without the
+    cache (generated positions share decode steps, so only the prompt is compared)."""
+    def req(ids, rid):
+        return GenerationRequest(rid, list(ids), resolve(RuntimeConfig().sampling,
+                                                         temperature=0.0, max_new_tokens=4),
+                                 capture_hidden=True)
+    prompts = {f"r{i}": prompt[:PS + 9 * i] + [prompt[i]] * (i + 2) for i in range(4)}
+    kw = dict(max_seq=256, page_size=PS, hidden_layer=3)
+    plain = make_runtime(stories, max_batch=1, **kw)
+    want = {rid: _states(plain, req(ids, rid))[1][:len(ids)] for rid, ids in prompts.items()}
+    plain.close()
+    rt = make_runtime(stories, max_batch=4, prefix_cache=True, prefix_cache_snapshots=64,
+                      max_tokens_per_step=23, **kw)
+    try:
+        _states(rt, req(prompt, "fill"))
+        got: dict[str, list] = {rid: [] for rid in prompts}
+        for rid, ids in prompts.items():
+            rt.submit(req(ids, rid))
+        while rt.has_work:
+            for ev in rt.step():
+                got[ev.request_id] += [(hs.start_position + i, s)
+                                       for hs in ev.hidden for i, s in enumerate(hs.states)]
+        assert rt.prefix_cache.stats.hits >= 3
+        for rid, ids in prompts.items():
+            rows = sorted(got[rid], key=lambda r: r[0])[:len(ids)]
+            assert [p for p, _ in rows] == list(range(len(ids)))
+            for (p, s), (_, _, w) in zip(rows, want[rid], strict=True):
+                assert s.tobytes() == w.tobytes(), (rid, p)
+    finally:
+        rt.clear_prefix_cache()
+        rt.close()
