@@ -19,10 +19,13 @@ Usage: python benchmarks/bench_prefix_cache.py [--model smollm2] [--system 2000]
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
 import platform
+import pstats
 import random
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import llm_runner_svc  # noqa: F401  (first: its BLAS settings apply before numpy loads)
 
@@ -84,7 +87,12 @@ def runtime(model: Model, engine: Engines, max_seq: int, reuse: bool) -> Inferen
     return rt
 
 
-def ttft(model: Model, engine: Engines, system: int, user: int) -> None:
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+def ttft(model: Model, engine: Engines, system: int, user: int, profile: bool = False
+         ) -> None:
     sys_ids = tokens(model, system, "System")
     rt = runtime(model, engine, system + user + 16, True)
     if model.format == "random":  # kernels compiled (a prefill after reused pages too)
@@ -92,9 +100,13 @@ def ttft(model: Model, engine: Engines, system: int, user: int) -> None:
         run(rt, "warm-up", warm + tokens(model, user, "Warm-up A"))
         run(rt, "warm-up reuse", warm + tokens(model, user, "Warm-up B"))
     first, _ = run(rt, "first", sys_ids + tokens(model, user, "Question A"))
-    second, _ = run(rt, "second", sys_ids + tokens(model, user, "Question B"))
+    prof = cProfile.Profile() if profile else None
+    second, _ = (prof.runcall if prof else _call)(run, rt, "second",
+                                                  sys_ids + tokens(model, user, "Question B"))
     bypass, _ = run(rt, "bypass", sys_ids + tokens(model, user, "Question B"), lookup=False)
     rt.close()
+    if prof is not None:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     print("| request | cached | prefilled | TTFT ms | of which queued | vs first |\n"
           "|---|---|---|---|---|---|")
     for name, m in (("first (cold)", first), ("second (reuse)", second),
@@ -156,6 +168,8 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=16)
     ap.add_argument("--engine", choices=("numpy", "torch"), default="numpy")
     ap.add_argument("--shape", default="qwen2.5-7b", help="the torch engine's model shape")
+    ap.add_argument("--profile", action="store_true",
+                    help="where the host spends the second request (cProfile)")
     ap.add_argument("--fused-prefill-rows", type=int, default=None,
                     help="the torch engine's option (default: the engine's)")
     ap.add_argument("--prefill-graph-tokens", type=int, default=None,
@@ -172,7 +186,7 @@ def main() -> None:
         where = (f"{args.model} on the numpy engine, {platform.processor() or platform.machine()}"
                  f", {os.cpu_count()} cores")
     print(f"{where}; system prompt {args.system} tokens, user turn {args.user}\n")
-    ttft(model, engine, args.system, args.user)
+    ttft(model, engine, args.system, args.user, args.profile)
     if args.turns:
         conversation(model, args.turns, args.user, args.answer)
 
