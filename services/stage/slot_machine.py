@@ -15,10 +15,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from enum import Enum
-from typing import Any
 
 from services.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.stage.ending import FinishReason
 from services.stage.slot import Slot, SlotState
 
 _S = SlotState
@@ -156,7 +154,7 @@ def _why(slot: Slot) -> str:
         return " and already being finished"
     if slot.state is _S.ORPHANED:
         return " and its Step stream is gone"
-    ended: Any = slot.run.ended
-    if not slot.state.is_live and isinstance(ended, FinishReason):
+    ended = slot.run.ended
+    if not slot.state.is_live and ended is not None:
         return f" and its run ended ({ended.value})"
     return ""
