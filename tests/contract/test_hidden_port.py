@@ -18,6 +18,7 @@ from stage_harness import StageServer
 from llm_runner_svc.models import Model
 from llm_runner_svc.runtime import GenerationRequest, resolve
 from llm_runner_svc.stage import StageConfig
+from llm_runner_svc.stage.faults import Faults, faulty_runtime_factory
 from services.contract.llmstage.v1 import stage_pb2 as pb
 
 HIDDEN = StageConfig(max_seq=512, emits=("text", "tokens", "hidden"))
@@ -178,6 +179,33 @@ def test_a_prompt_prefilled_over_several_steps_arrives_as_one_window(stories: Mo
         if isinstance(m, HiddenWindow):
             crc = zlib.crc32(m.states.tobytes(), crc)
     assert diag["hidden_states_crc32"] == crc and diag["hidden_windows"] == 1 + 4
+
+
+def test_a_request_cancelled_mid_prompt_frees_what_was_held(stories: Model) -> None:
+    """A 400-token prompt at 8 tokens a step (each step slowed to 50 ms) is held in pieces;
+    cancelled before its last piece, its subscriber gets only its end and nothing stays held."""
+    cfg = StageConfig(max_seq=512, emits=("text", "tokens", "hidden"), max_tokens_per_step=8)
+    factory = faulty_runtime_factory(Faults(step_delay_ms=50))
+    with StageServer(cfg, runtime_factory=factory) as srv:
+        consumer = Consumer(srv, "held")
+        srv.admit_prepare(7, token_ids=[3 + i % 500 for i in range(400)], max_tokens=5,
+                          ports=["hidden"], request_id="held")
+        stream = srv.step([7])
+        deadline = time.monotonic() + 30
+        while (held := srv.stats()["hidden_prompt_held_bytes"]) == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        srv.stub.Cancel(pb.CancelRequest(slot_id=7))
+        got = stream.collect({7})[7]
+        consumer.join(30)
+        after = srv.stats()["hidden_prompt_held_bytes"]
+        srv.stub.Finish(pb.FinishRequest(slot_id=7))
+        srv.stub.Reset(pb.ResetRequest(slot_id=7))
+        stream.half_close()
+    assert got["reason"] == pb.FINISH_REASON_CANCELLED
+    assert 0 < held < 400 * 64 * 4 * 2 and after == 0  # some of the prompt, then nothing
+    assert len(consumer.messages) == 1 and isinstance(consumer.messages[0], PortEnd)
+    assert consumer.messages[0].finish_reason == "cancelled"
 
 
 def test_block_policy_holds_the_producer_and_loses_nothing(stories: Model) -> None:
