@@ -77,8 +77,8 @@ def test_unknown_model_and_path_are_404(busy) -> None:
 
 def test_a_full_queue_is_429_and_the_first_request_goes_on(busy) -> None:
     dep, gw = busy
-    first = stream_events(f"{gw.url}/v1/completions", completion(
-        max_tokens=40, ignore_eos=True, temperature=0, stream_options={"include_usage": True}))
+    first = stream_events(f"{gw.url}/v1/completions", completion(  # 25 ms a step: 5 s
+        max_tokens=200, ignore_eos=True, temperature=0, stream_options={"include_usage": True}))
     status, chunk = next(first)  # generating: it holds the one running place
     assert status == 200 and chunk["choices"][0]["text"]
     status, headers, body = request(f"{gw.url}/v1/completions", completion())
@@ -86,13 +86,13 @@ def test_a_full_queue_is_429_and_the_first_request_goes_on(busy) -> None:
                                        "resource_exhausted")
     assert headers["Retry-After"] == "1"
     rest = [data for _, data in first]
-    assert rest[-1] == "[DONE]" and rest[-2]["usage"]["completion_tokens"] == 40
+    assert rest[-1] == "[DONE]" and rest[-2]["usage"]["completion_tokens"] == 200
     assert wait_until(lambda: dep.topology()["runs"] == 0)
 
 
 def test_the_deadline_is_504_and_frees_the_stage(busy) -> None:
     dep, _ = busy
-    short = GatewayProc(dep.target, "--request-timeout-s", "1")
+    short = GatewayProc(dep.target, "--request-timeout-s", "3")
     try:
         long_ask = completion(max_tokens=400, ignore_eos=True)  # 25 ms a step: 10 s
         status, _, body = request(f"{short.url}/v1/completions", long_ask)
