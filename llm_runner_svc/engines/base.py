@@ -71,6 +71,7 @@ class Engine(ABC):
     name: str
     config: ModelConfig
     default_step_tokens = 512  # tokens per step unless the deployment says (maxTokensPerStep)
+    supports_verify = False  # returns `StepOutput.verified` for rows with `verify`
 
     @abstractmethod
     def preallocate(self, plan: EnginePlan) -> None:

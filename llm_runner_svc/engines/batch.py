@@ -3,8 +3,11 @@
 A row is one request's part of a step: a prefill chunk (several prompt tokens), a decode
 (one token), or the tokens a preempted request recomputes. A row with a `sample` spec ends
 with its last position's logits in the engine's logits row of the same index and a pick from
-them; with `Batch.keep_logits`, every row's last logits are left there. Pure Python: the
-runtime builds batches without a tensor library.
+them; with `Batch.keep_logits`, every row's last logits are left there. A verify row
+(`Row.verify` = K > 0, speculative decoding) also needs the greedy pick after each of the K
+positions before its last: its tokens are the last accepted token and K proposed ones, and
+the engine returns K + 1 greedy picks so the runtime can accept the longest matching prefix.
+Pure Python: the runtime builds batches without a tensor library.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class Row:
     capture_hidden: bool = False
     from_pick: int | None = None
     prompt_end: int | None = None
+    verify: int = 0  # trailing proposed tokens: greedy picks after each of the K positions
+    # before the last too (StepOutput.verified); such a row is never cut across passes
 
     @property
     def length(self) -> int:
@@ -88,6 +93,8 @@ class StepOutput:
 
     picks: Sequence[int | None]
     hidden: Sequence[HiddenStates | None]
+    verified: Sequence[Sequence[int] | None] = ()  # per row with `verify` = K: the greedy
+    # picks after positions end-1-K .. end-2 (K of them; the pick after end-1 is in `picks`)
 
 
 @dataclass
@@ -102,6 +109,7 @@ class Segment:
     is_last: bool  # the row ends here
     wants_logits: bool  # its last token's logits go to logits row `row`
     prompt_end: int | None = None  # the row's: positions below it are prompt tokens
+    verify: int = 0  # the row's `verify`: greedy picks after the K positions before the last
 
 
 @dataclass
@@ -128,14 +136,14 @@ def split_passes(batch: Batch, tokens: list[list[int]], max_tokens: int,
     for i, (row, toks) in enumerate(zip(batch.rows, tokens, strict=True)):
         lo = 0
         while lo < len(toks):
-            if used == max_tokens:
+            if used == max_tokens or (row.verify and used + len(toks) > max_tokens):
                 passes.append(Pass(current, capture))
                 current, used, capture = [], 0, False
             n = min(len(toks) - lo, max_tokens - used, max_segment)
             is_last = lo + n == len(toks)
             current.append(Segment(i, used, toks[lo:lo + n], row.start + lo, row.pages,
                                    is_last, is_last and (batch.keep_logits or bool(row.sample)),
-                                   row.prompt_end))
+                                   row.prompt_end, row.verify))
             capture = capture or row.capture_hidden
             used += n
             lo += n
@@ -156,7 +164,7 @@ def split_prompt(s: Segment) -> tuple[Segment | None, Segment | None]:
         return None, s
     head = Segment(s.row, s.offset, s.tokens[:k], s.start, s.pages, False, False, s.prompt_end)
     tail = Segment(s.row, s.offset + k, s.tokens[k:], s.start + k, s.pages, s.is_last,
-                   s.wants_logits, s.prompt_end)
+                   s.wants_logits, s.prompt_end, s.verify)
     return head, tail
 
 

@@ -3,7 +3,8 @@
 `launch` checks the batch, resolves rows that feed the previous forward's picks, cuts the
 rows into passes of at most `plan.max_tokens` tokens (`batch.split_passes`), gathers each
 row's captured states across passes and samples the rows that ask for a pick. A subclass
-implements only `_run(pass)`. Everything runs inside `launch`, so `read` has nothing left to
+implements only `_run(pass)` (a segment with `verify` also leaves its greedy picks in
+`_verified`). Everything runs inside `launch`, so `read` has nothing left to
 wait for. The single-request calls (`prefill`, `decode`, `sample`, `logits`) are one-row or
 one-token batches (Engine), kept for tools and engine-level tests.
 """
@@ -55,6 +56,8 @@ class BatchedEngine(Engine):
     _plan: EnginePlan | None
     _logits: np.ndarray
     _last_picks: Sequence[int | None] | None = None
+    supports_verify = True
+    _verified: dict[int, list[int]]  # batch row -> greedy picks of its verify positions
 
     @abstractmethod
     def _run(self, p: Pass) -> tuple[np.ndarray, np.ndarray] | None:
@@ -74,6 +77,7 @@ class BatchedEngine(Engine):
         tokens = resolve_tokens(batch, self._last_picks)
         rows = batch.rows
         caps = CapturedStates(rows)
+        self._verified = {}
         for p in split_passes(batch, tokens, plan.max_tokens, plan.prefill_chunk):
             states = self._run(p)
             if states is not None:
@@ -88,7 +92,8 @@ class BatchedEngine(Engine):
             for i, tok in zip(chosen, sample_rows(logits, specs), strict=True):  # type: ignore[arg-type]
                 picks[i] = tok
         self._last_picks = picks
-        return StepOutput(picks, hidden)
+        verified = [self._verified.get(i) if r.verify else None for i, r in enumerate(rows)]
+        return StepOutput(picks, hidden, verified)
 
     def read(self, handle: StepOutput) -> StepOutput:
         return handle

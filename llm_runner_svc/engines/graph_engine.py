@@ -42,6 +42,8 @@ class StepExecutor(ABC):
 class GraphEngine(BatchedEngine):
     """Shared prefill / decode / sample over a `StepExecutor` chosen by the subclass."""
 
+    supports_verify = False  # its graphs give only each row's last logits
+
     dtype: GraphDtype = GraphDtype.FP32
 
     def __init__(self, config: ModelConfig, weights: ModelWeights) -> None:

@@ -246,6 +246,11 @@ class NumpyEngine(BatchedEngine):
         elif last:
             h = rms_norm(self._x[last], self._final_norm, self.config.rms_eps)
             self._logits[out] = h @ self._lm_head_t
+        for i, s in enumerate(segs):
+            if s.verify and s.is_last:  # the positions before the last one
+                end = int(at[i + 1]) - 1
+                h = rms_norm(self._x[end - s.verify:end], self._final_norm, self.config.rms_eps)
+                self._verified[s.row] = [int(t) for t in np.argmax(h @ self._lm_head_t, axis=1)]
         if caps is not None:
             dest = np.concatenate([np.arange(s.offset, s.offset + len(s.tokens)) for s in segs])
             caps[0][dest], caps[1][dest] = self._cap_emb[:n], self._cap_state[:n]

@@ -9,8 +9,9 @@ from llm_runner_svc.runtime.request import (
 )
 from llm_runner_svc.runtime.runtime import InferenceRuntime
 from llm_runner_svc.runtime.sampling import SamplingDefaults, SamplingParams, resolve
+from llm_runner_svc.runtime.speculative import SpecConfig
 
 __all__ = [
     "FinishReason", "GenerationRequest", "InferenceRuntime", "RequestMetrics", "RuntimeConfig",
-    "SamplingDefaults", "SamplingParams", "StepEvent", "resolve",
+    "SamplingDefaults", "SamplingParams", "SpecConfig", "StepEvent", "resolve",
 ]

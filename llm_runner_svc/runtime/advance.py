@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_runner_svc.engines.base import Engine, HiddenStates
-from llm_runner_svc.engines.batch import Batch
+from llm_runner_svc.engines.batch import Batch, Row
 from llm_runner_svc.errors import RunnerError
 from llm_runner_svc.runtime.config import RuntimeConfig
 from llm_runner_svc.runtime.kv import PagePool
 from llm_runner_svc.runtime.request import FinishReason, SeqStatus, SequenceState, StepEvent
 from llm_runner_svc.runtime.scheduler import Planned, Scheduler
+from llm_runner_svc.runtime.speculative import accept_greedy
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,11 @@ class Flight:
 
     def is_live(self) -> bool:
         return any(s.status is not SeqStatus.FINISHED for s, _ in self.plan)
+
+    def is_speculative(self) -> bool:
+        """A speculative request's next row depends on this forward's picks: read it before
+        the next launch."""
+        return any(s.proposer is not None for s, _ in self.plan)
 
 
 class SequenceAdvance:
@@ -85,43 +91,64 @@ class SequenceAdvance:
             self._fail([s for s, _ in flight.plan if s.status is not SeqStatus.FINISHED],
                        exc, events)
             return
-        for (seq, row), pick, hs in zip(flight.plan, out.picks, out.hidden, strict=True):
+        verified = out.verified or [None] * len(flight.plan)
+        for (seq, row), pick, hs, target in zip(flight.plan, out.picks, out.hidden, verified,
+                                                strict=True):
             if seq.status is SeqStatus.FINISHED:
                 continue
             if row.sample is not None:
                 seq.pending -= 1
+            tokens, end = ([] if pick is None else [pick]), row.end
+            if row.verify and pick is not None:
+                tokens, end = self._verified(seq, row, [*(target or ()), pick])
+            if seq.proposer is not None and tokens and row.start >= len(seq.req.prompt_ids):
+                seq.metrics.target_steps += 1  # a decode row: one target forward
+                seq.metrics.verified_tokens += len(tokens)
             if seq.req.request_id in held:
-                seq.stash.append((pick, hs, row.end))
+                seq.stash.append((tokens, hs, end))
             else:
-                self._deliver(seq, pick, hs, row.end, events)
+                self._deliver(seq, tokens, hs, end, events)
+
+    def _verified(self, seq: SequenceState, row: Row, target: list[int]) -> tuple[list[int], int]:
+        """The tokens a verify row yields and the position after the last of them; the
+        rejected positions are rolled back."""
+        tokens = accept_greedy(row.tokens[1:], target)
+        seq.metrics.accepted_tokens += len(tokens) - 1
+        end = row.start + len(tokens)
+        if seq.status is SeqStatus.DECODING:
+            self.scheduler.roll_back(seq, end)
+        return tokens, end
 
     def _deliver_stashed(self, held: Set[str], events: dict[str, StepEvent]) -> None:
         for seq in list(self._seqs.values()):
             if seq.stash and seq.req.request_id not in held:
                 stash, seq.stash = seq.stash, []
-                for pick, hs, end in stash:
+                for tokens, hs, end in stash:
                     if seq.status is not SeqStatus.FINISHED:
-                        self._deliver(seq, pick, hs, end, events)
+                        self._deliver(seq, tokens, hs, end, events)
 
-    def _deliver(self, seq: SequenceState, pick: int | None, hs: HiddenStates | None,
+    def _deliver(self, seq: SequenceState, tokens: list[int], hs: HiddenStates | None,
                  end: int, events: dict[str, StepEvent]) -> None:
         """One row's results: states of positions not delivered before (a recompute after a
-        preemption repeats some), then the pick, from a row that ended at `end`."""
+        preemption repeats some), then its tokens (a pick, or a verify row's), the last
+        following position `end` - 1."""
         ev = self._event(events, seq)
         reused, seq.reused_hidden = seq.reused_hidden, []
         for piece in reused:  # states of a reused prefix, kept by the cache
             self._states(seq, piece, piece.start_position + len(piece.states), ev)
         if hs is not None:
             self._states(seq, hs, end, ev)
-        if pick is None:
+        if not tokens:
             return
         if not seq.t_first_token:
             seq.t_first_token = time.perf_counter()
             seq.metrics.prefill_ms = (seq.t_first_token - seq.t_scheduled) * 1000.0
             seq.metrics.ttft_ms = (seq.t_first_token - seq.t_submit) * 1000.0
-        self._accept(seq, pick, ev, end)
-        if seq.finish_reason is not None:
-            self._finish(seq, ev)
+        for i, token in enumerate(tokens):
+            self._accept(seq, token, ev, end - len(tokens) + 1 + i)
+            if seq.finish_reason is not None:
+                self._finish(seq, ev)
+                return
 
     def _states(self, seq: SequenceState, hs: HiddenStates, end: int, ev: StepEvent) -> None:
         """Deliver the states of positions up to `end` not delivered before."""

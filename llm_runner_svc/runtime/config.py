@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.runtime.sampling import SamplingDefaults
+from llm_runner_svc.runtime.speculative import SpecConfig
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class RuntimeConfig:
     prefix_cache: bool = False  # reuse the KV of cached prefixes (context_cache.enable_reuse)
     prefix_cache_records: int = 0  # pages the cache names at most; 0 = only the pool bounds
     prefix_cache_snapshots: int = 0  # named pages keeping their captured states; 0 = none
+    spec: SpecConfig | None = None  # speculative decoding (spec_decode); None = plain decode
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "page_size", "prefill_chunk", "max_waiting"):

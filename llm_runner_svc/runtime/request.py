@@ -6,6 +6,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from llm_runner_svc.engines.base import HiddenStates, SampleSpec
 from llm_runner_svc.errors import InvalidArgument
@@ -31,6 +32,7 @@ class GenerationRequest:
     label: str = ""  # the caller's own name for the request (a stage: its client's id)
     cache_lookup: bool = True  # reuse a cached prefix (when the runtime caches prefixes)
     cache_generated: bool = True  # name the pages of generated tokens too, not only the prompt
+    disable_spec_decode: bool = False  # decode plainly on a speculative deployment
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -51,6 +53,18 @@ class RequestMetrics:
     ttft_ms: float = 0.0
     cached_tokens: int = 0  # prompt positions reused from the prefix cache
     prefilled_tokens: int = 0  # positions computed by prefill rows (recomputes included)
+    proposed_tokens: int = 0  # speculative: tokens proposed to verify rows
+    accepted_tokens: int = 0  # speculative: proposed tokens the target agreed with
+    target_steps: int = 0  # speculative: decode rows read (each a target forward)
+    verified_tokens: int = 0  # speculative: tokens those rows yielded
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def tokens_per_target_step(self) -> float:
+        return self.verified_tokens / self.target_steps if self.target_steps else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -66,6 +80,9 @@ class RequestMetrics:
             "decode_ms": round(self.decode_ms, 3), "ttft_ms": round(self.ttft_ms, 3),
             "tokens_per_s": round(self.tokens_per_s, 2),
             "cached_tokens": self.cached_tokens, "prefilled_tokens": self.prefilled_tokens,
+            "proposed_tokens": self.proposed_tokens, "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tokens_per_target_step": round(self.tokens_per_target_step, 4),
         }
 
 
@@ -97,7 +114,8 @@ class SequenceState:
     already handed to the engine (their KV written, or being written). A pick launched but
     not read yet is `pending`; the last launched forward's pick for this request sits in
     its row `pick_row` of launch `pick_launch`. Picks read while the request is held wait
-    in `stash` until it steps again.
+    in `stash` until it steps again (each entry: the tokens a row yielded, its states and the
+    position after the last of them). A speculative request has a `proposer`.
     """
 
     def __init__(self, req: GenerationRequest, decoder: StreamDecoder, stops: StopMatcher) -> None:
@@ -114,7 +132,8 @@ class SequenceState:
         self.pick_launch = -1
         self.pick_row = 0
         self.hidden_upto = 0  # positions whose hidden states were delivered
-        self.stash: list[tuple[int | None, HiddenStates | None, int]] = []
+        self.stash: list[tuple[list[int], HiddenStates | None, int]] = []
+        self.proposer: Any = None  # speculative.NgramProposer, or None: plain decode
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.metrics = RequestMetrics(prompt_tokens=len(req.prompt_ids))

@@ -6,9 +6,11 @@ cancellations first (a cancel lands at the top of the next step), then asks the 
 budget), launches it on the engine, and only then reads the batch launched by the step
 before and turns it into events: the engine works on step n+1 while the host handles step
 n. A step that finds nothing in flight launches two batches and reads the first, so every
-step returns the tokens of one forward. Nothing else is special-cased: a join, a leave, a
-cancel or a preemption only changes which rows the next batch holds, and rows of a request
-that ended meanwhile are dropped when their batch is read.
+step returns the tokens of one forward. A forward holding a speculative request's row is
+read before the next launch (its verify row needs the accepted tokens). Nothing else is
+special-cased: a join, a leave, a cancel or a preemption only changes which rows the next
+batch holds, and rows of a request that ended meanwhile are dropped when their batch is
+read.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from llm_runner_svc.engines.base import Engine, EnginePlan
+from llm_runner_svc.engines.base import GREEDY_TEMPERATURE, Engine, EnginePlan
 from llm_runner_svc.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -35,6 +37,7 @@ from llm_runner_svc.runtime.request import (
     StepEvent,
 )
 from llm_runner_svc.runtime.scheduler import Scheduler
+from llm_runner_svc.runtime.speculative import create_proposer
 from llm_runner_svc.runtime.stops import StopMatcher
 
 
@@ -52,6 +55,17 @@ class InferenceRuntime(SequenceAdvance):
             max_batch=config.max_batch, max_seq=self.max_seq, page_size=config.page_size,
             num_pages=self._pool_pages(), prefill_chunk=config.prefill_chunk,
             hidden_layer=config.hidden_layer, step_tokens=self.step_tokens)
+        if config.spec is not None and not engine.supports_verify:
+            raise InvalidArgument(f"spec_decode: engine {engine.name} does not verify "
+                                  "proposals (engines that do: numpy)")
+        if config.spec is not None and config.hidden_layer is not None:
+            raise InvalidArgument("spec_decode and a hidden port (accept_hidden_layer) "
+                                  "exclude each other: a speculative build emits no hidden "
+                                  "states")
+        if config.spec is not None and config.spec.proposal_tokens >= min(
+                config.prefill_chunk, self.step_tokens):
+            raise InvalidArgument("spec_decode.proposal_tokens must be below prefillChunk "
+                                  "and the step's token budget")
         self.pages = PagePool(self.plan.num_pages, config.page_size)
         self.prefix_cache = PrefixCache(
             self.pages, f"{engine.name}|{engine.config!r}|{config.page_size}",
@@ -158,8 +172,18 @@ class InferenceRuntime(SequenceAdvance):
                 req.prompt_ids[-1] == self.tokenizer.bos_id
             seq = SequenceState(req, StreamDecoder(self.tokenizer, after_bos),
                                 StopMatcher(req.stop))
+            spec = self.config.spec
+            if spec is not None and self._speculates(req):
+                seq.proposer = create_proposer(spec)
             self._seqs[req.request_id] = seq
             self.scheduler.add(seq)
+
+    def _speculates(self, req: GenerationRequest) -> bool:
+        """Speculative decoding serves greedy requests without logit bias (their output is
+        then exactly plain greedy decoding); the others decode plainly."""
+        sp = req.sampling
+        return self.config.spec is not None and not req.disable_spec_decode and \
+            (sp.temperature < GREEDY_TEMPERATURE or sp.top_k == 1) and not sp.logit_bias
 
     def cancel(self, request_id: str) -> bool:
         """Ask for `request_id` to end as cancelled at the top of the next step."""
@@ -200,7 +224,9 @@ class InferenceRuntime(SequenceAdvance):
             flight = None  # every row's request has ended: nothing there to read
         if flight is None:
             flight = self._launch(held, events)
-        if flight is not None:
+        if flight is not None and flight.is_speculative():
+            self._take(flight, held, events)  # no run-ahead: its next rows need these picks
+        elif flight is not None:
             self._flight = self._launch(held, events)
             self._take(flight, held, events)
         return list(events.values())

@@ -82,7 +82,7 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status is SeqStatus.DECODING and self._may_step(seq, held):
-                budget -= self._decode(seq, plan)
+                budget -= self._decode(seq, plan, budget)
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -98,24 +98,40 @@ class Scheduler:
     def _may_step(seq: SequenceState, held: Set[str]) -> bool:
         return not seq.stash and seq.req.request_id not in held
 
-    def _decode(self, seq: SequenceState, plan: Planned) -> int:
-        """A one-token row for `seq`, or none at its length limits; tokens used."""
+    def _decode(self, seq: SequenceState, plan: Planned, budget: int) -> int:
+        """A one-token row for `seq` (a verify row when it proposes), or none at its length
+        limits; tokens used."""
         index = len(seq.output_ids) + seq.pending
         if index >= seq.req.sampling.max_new_tokens or seq.computed >= self.max_seq:
             return 0
         if seq.pending:
-            if seq.pick_launch != self.launches:
-                return 0  # its pick is not the last forward's: read first
+            if seq.pick_launch != self.launches or seq.proposer is not None:
+                return 0  # its pick is not the last forward's, or it proposes: read first
             tokens: tuple[int, ...] = ()
             from_pick: int | None = seq.pick_row
         else:
             tokens, from_pick = tuple(seq.known[seq.computed:seq.computed + 1]), None
-        if not self._grow(seq, seq.computed + 1, plan):
+            tokens += self._proposal(seq, index, budget)
+        if not self._grow(seq, seq.computed + len(tokens or (0,)), plan):
             self.preempt(seq)
             return 0
         self._plan_row(seq, plan, tokens, from_pick, pick=True)
         self._commit(seq, self.launches + 1)
-        return 1
+        return len(tokens or (0,))
+
+    def _proposal(self, seq: SequenceState, index: int, budget: int) -> tuple[int, ...]:
+        """Tokens a speculative request proposes after its last known one, no more than its
+        length limits, the budget and the free pages allow (a verify row)."""
+        if seq.proposer is None:
+            return ()
+        room = (len(seq.pages) + self.pool.num_free) * self.pool.page_size - seq.computed - 1
+        k = min(seq.proposer.config.proposal_tokens, budget - 1, room,
+                seq.req.sampling.max_new_tokens - index - 1, self.max_seq - seq.computed - 1)
+        if k <= 0:
+            return ()
+        proposal = tuple(seq.proposer.propose(seq.known, k))
+        seq.metrics.proposed_tokens += len(proposal)
+        return proposal
 
     def _chunk(self, seq: SequenceState, budget: int, plan: Planned) -> int:
         """The next prefill chunk of `seq`, cut to the budget and the free pages."""
@@ -203,8 +219,10 @@ class Scheduler:
                   from_pick: int | None, pick: bool) -> None:
         start = seq.computed
         spec = seq.spec(len(seq.output_ids) + seq.pending) if pick else None
+        verify = len(tokens) - 1 if seq.proposer is not None and seq.status is \
+            SeqStatus.DECODING else 0
         row = Row(tokens, start, seq.pages, spec, seq.req.capture_hidden, from_pick,
-                  len(seq.req.prompt_ids))
+                  len(seq.req.prompt_ids), max(verify, 0))
         seq.computed = row.end
         if pick:
             seq.pending += 1
@@ -225,6 +243,16 @@ class Scheduler:
         if need > 0:
             seq.pages.extend(self.pool.allocate(need))
         return True
+
+    def roll_back(self, seq: SequenceState, computed: int) -> None:
+        """A verify row's rejected positions are not computed after all: `seq` counts
+        `computed` positions and gives back the pages past them (their KV is stale)."""
+        seq.computed = computed
+        keep = self.pool.pages_for(computed)
+        if len(seq.pages) > keep:
+            tail = seq.pages[keep:]
+            del seq.pages[keep:]
+            self.pool.release(tail)
 
     def preempt(self, seq: SequenceState) -> None:
         """Take `seq`'s pages back; it waits at the front of the queue and recomputes its

@@ -1,0 +1,75 @@
+"""Speculative decoding on the host: the config, the proposers and the acceptance rule.
+
+A speculative request's decode row is a *verify* row (engines/batch.py `Row.verify`): the
+last accepted token followed by K proposed tokens, run in one target forward that returns
+the target's greedy pick after each of the K + 1 positions. The runtime accepts the longest
+prefix of the proposal the target agrees with plus the target's own next token (so a step
+yields 1 .. K + 1 tokens and the output is exactly plain greedy decoding), and rolls the
+rejected positions back by not counting them as computed (their KV is overwritten later).
+
+Proposers are pure Python over the request's known tokens: `ngram` (prompt lookup) copies
+the tokens that followed the latest earlier occurrence of the context's last n-gram.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from llm_runner_svc.errors import InvalidArgument
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How speculative requests propose (`spec_decode` of the runner config)."""
+
+    method: str = "ngram"
+    proposal_tokens: int = 4  # K: proposed tokens per verify row
+    ngram_max: int = 3  # the longest context suffix looked up (ngram)
+    ngram_min: int = 1  # the shortest one tried before giving up (ngram)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidArgument(f"spec_decode.method must be one of {', '.join(METHODS)}, "
+                                  f"got {self.method!r}")
+        if not 1 <= self.proposal_tokens <= 16:
+            raise InvalidArgument(
+                f"spec_decode.proposal_tokens must be in 1..16, got {self.proposal_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InvalidArgument(f"spec_decode ngram sizes need 1 <= ngram_min <= ngram_max, "
+                                  f"got {self.ngram_min}..{self.ngram_max}")
+
+
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n from
+    `ngram_max` down to `ngram_min`) and propose the tokens that followed it."""
+
+    def __init__(self, config: SpecConfig) -> None:
+        self.config = config
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to `k` tokens to follow `tokens`; empty when no suffix recurs."""
+        n_tokens = len(tokens)
+        for n in range(min(self.config.ngram_max, n_tokens - 1), self.config.ngram_min - 1, -1):
+            suffix = list(tokens[n_tokens - n:])
+            first = suffix[0]
+            for i in range(n_tokens - n - 1, -1, -1):  # latest match first
+                if tokens[i] == first and list(tokens[i:i + n]) == suffix:
+                    return list(tokens[i + n:i + n + k])
+        return []
+
+
+def create_proposer(config: SpecConfig) -> NgramProposer:
+    return NgramProposer(config)
+
+
+def accept_greedy(proposal: Sequence[int], target: Sequence[int]) -> list[int]:
+    """The tokens a verify row yields: the longest prefix of `proposal` equal to the
+    target's greedy picks, then the target's pick after it. `target` holds
+    len(proposal) + 1 picks, pick j following the row's position j."""
+    n = 0
+    while n < len(proposal) and proposal[n] == target[n]:
+        n += 1
+    return [*proposal[:n], target[n]]

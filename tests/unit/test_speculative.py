@@ -1,0 +1,129 @@
+"""Speculative decoding (ngram prompt lookup) on the numpy engine: greedy output is exactly
+plain greedy decoding, alone and beside plain requests, under stop strings, length limits,
+cancellation and preemption, and every page goes back to the pool."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import make_runtime
+
+from llm_runner_svc.errors import InvalidArgument
+from llm_runner_svc.runtime import FinishReason, GenerationRequest, SpecConfig, resolve
+from llm_runner_svc.runtime.speculative import NgramProposer, accept_greedy
+
+PROMPTS = ("Lily and Tom went to the park. Lily and Tom", "The cat sat", "Once upon a time")
+
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    p = NgramProposer(SpecConfig(ngram_max=2))
+    assert p.propose([5, 6, 7, 8, 1, 5, 6, 9, 1, 5, 6], 3) == [9, 1, 5]
+    assert p.propose([1, 2, 3, 4], 3) == []
+    assert p.propose([7, 7], 4) == [7]
+
+
+def test_greedy_acceptance_takes_the_matching_prefix_and_the_targets_token():
+    assert accept_greedy([1, 2, 3], [1, 2, 3, 4]) == [1, 2, 3, 4]
+    assert accept_greedy([1, 2, 3], [1, 9, 3, 4]) == [1, 9]
+    assert accept_greedy([1, 2, 3], [8, 2, 3, 4]) == [8]
+
+
+def test_config_is_checked():
+    with pytest.raises(InvalidArgument, match="method"):
+        SpecConfig(method="tree")
+    with pytest.raises(InvalidArgument, match="proposal_tokens"):
+        SpecConfig(proposal_tokens=0)
+
+
+def _requests(stories, rt, **kw):
+    return [GenerationRequest(f"r{i}", stories.tokenizer.encode(p, add_bos=True),
+                              resolve(rt.config.sampling, temperature=0.0,
+                                      max_new_tokens=kw.get("max_new_tokens", 120 - 30 * i)),
+                              stop=kw.get("stop", ()), ignore_eos=True,
+                              disable_spec_decode=i in kw.get("plain", ()))
+            for i, p in enumerate(PROMPTS)]
+
+
+def _run(stories, spec, cancel_at=None, **kw):
+    rt = make_runtime(stories, max_batch=kw.pop("max_batch", 4), max_seq=512, spec=spec,
+                      **{k: kw.pop(k) for k in ("kv_memory_bytes", "page_size") if k in kw})
+    try:
+        for req in _requests(stories, rt, **kw):
+            rt.submit(req)
+        got: dict[str, list[int]] = {}
+        ends: dict[str, object] = {}
+        steps = 0
+        while rt.has_work:
+            steps += 1
+            if steps == cancel_at:
+                rt.cancel("r0")
+            for ev in rt.step():
+                got.setdefault(ev.request_id, []).extend(ev.token_ids)
+                if ev.finish_reason is not None:
+                    ends[ev.request_id] = (ev.finish_reason, ev.metrics)
+        assert rt.pages.num_free == rt.pages.num_pages
+        return got, ends, rt.scheduler.preemptions
+    finally:
+        rt.close()
+
+
+def test_stories260k_golden_with_ngram(stories, goldens):
+    case = goldens["cases"][0]
+    rt = make_runtime(stories, max_batch=1, max_seq=512, spec=SpecConfig(proposal_tokens=4))
+    try:
+        req = GenerationRequest("g", case["prompt_token_ids"],
+                                resolve(rt.config.sampling, temperature=0.0,
+                                        max_new_tokens=int(case["steps"])), ignore_eos=True)
+        tokens, last = [], None
+        for ev in rt.generate(req):
+            tokens += ev.token_ids
+            last = ev
+        assert tokens == case["generated_token_ids"]
+        m = last.metrics
+        assert m.accepted_tokens > 0 and m.tokens_per_target_step > 1.0
+        assert 0 < m.acceptance_rate <= 1.0
+        assert rt.pages.num_free == rt.pages.num_pages
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_mixed_batch_is_token_for_token_plain_greedy(stories, k):
+    plain, _, _ = _run(stories, None)
+    spec, ends, _ = _run(stories, SpecConfig(proposal_tokens=k), plain=(1,))
+    assert spec == plain
+    assert ends["r1"][1].proposed_tokens == 0  # decoded plainly
+    assert ends["r0"][1].accepted_tokens > 0
+
+
+def test_stop_strings_and_max_tokens_end_mid_verify(stories):
+    plain, plain_ends, _ = _run(stories, None, stop=("Lily",), max_new_tokens=37)
+    spec, spec_ends, _ = _run(stories, SpecConfig(proposal_tokens=5), stop=("Lily",),
+                              max_new_tokens=37)
+    assert spec == plain
+    assert {r: e[0] for r, e in spec_ends.items()} == {r: e[0] for r, e in plain_ends.items()}
+    assert all(len(t) <= 37 for t in spec.values())
+
+
+def test_cancel_mid_verify_frees_pages(stories):
+    spec, ends, _ = _run(stories, SpecConfig(proposal_tokens=4), cancel_at=6)
+    plain, _, _ = _run(stories, None)
+    assert ends["r0"][0] is FinishReason.CANCELLED
+    assert spec["r1"] == plain["r1"] and spec["r2"] == plain["r2"]
+    assert spec["r0"] == plain["r0"][:len(spec["r0"])]
+
+
+def test_preemption_keeps_greedy_output(stories):
+    small = {"kv_memory_bytes": 0, "page_size": 4}
+    plain, _, _ = _run(stories, None, max_batch=3, **small)
+    rt = make_runtime(stories, max_batch=3, max_seq=512, page_size=4)
+    page_bytes = rt.engine.kv_bytes_per_token() * 4
+    rt.close()
+    tight = {"kv_memory_bytes": page_bytes * 40, "page_size": 4}
+    spec, _, preemptions = _run(stories, SpecConfig(proposal_tokens=4), max_batch=3, **tight)
+    assert preemptions > 0
+    assert spec == plain
+
+
+def test_spec_with_a_hidden_port_is_refused(stories):
+    with pytest.raises(InvalidArgument, match="hidden"):
+        make_runtime(stories, max_seq=512, hidden_layer=-1, spec=SpecConfig())
