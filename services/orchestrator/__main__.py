@@ -28,11 +28,19 @@ def main(argv: list[str] | None = None) -> int:
                              "(default 10 s)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on this port (0 = any free; default off)")
+    parser.add_argument("--peers", default=None,
+                        help="DNS target of every orchestrator replica "
+                             "(dns:///orchestrator-headless:50050): a Cancel for a request "
+                             "this replica does not hold is forwarded to them (default off)")
+    parser.add_argument("--discover-interval-s", type=float, default=5.0,
+                        help="how often stages named by 'discover' are resolved again "
+                             "(default 5 s; sooner after a replica fails)")
     args = parser.parse_args(argv)
     # gRPC core logs nothing unless GRPC_VERBOSITY asks; it reads the variable when imported,
     # hence the imports below.
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
-    from services.orchestrator.service import serve
+    from services.orchestrator.dns import parse_target
+    from services.orchestrator.service import ClusterOptions, serve
     from services.orchestrator.topology import load_topology
     from services.server import ServerOptions
 
@@ -41,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         options = ServerOptions(host=args.host, port=args.port,
                                 max_message_bytes=int(args.max_message_mb * (1 << 20)),
                                 grace_s=args.grace_s)
-        asyncio.run(serve(load_topology(args.topology), options, args.metrics_port))
+        cluster = ClusterOptions(args.peers, args.discover_interval_s)
+        if cluster.peers is not None:
+            parse_target(cluster.peers)
+        asyncio.run(serve(load_topology(args.topology), options, args.metrics_port,
+                          cluster=cluster))
     except ServiceError as exc:
         print(f"orchestrator: {exc.code}: {exc.message}", file=sys.stderr)
         return 2

@@ -17,7 +17,6 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from services.errors import (
     AlreadyExists,
     DeadlineExceeded,
-    FailedPrecondition,
     ResourceExhausted,
     ServiceError,
     Unavailable,
@@ -30,11 +29,17 @@ from services.orchestrator.codec import (
     ReplicaReport,
     TopologyReport,
 )
+from services.orchestrator.discovery import (
+    DEFAULT_INTERVAL_S,
+    Discovery,
+    check_description,
+    create_admit,
+)
 from services.orchestrator.metrics import OrchestratorMetrics
 from services.orchestrator.replicas import StagePool
 from services.orchestrator.routes import compute_route
 from services.orchestrator.run import Placement, RequestRun
-from services.orchestrator.topology import Topology
+from services.orchestrator.topology import StageSpec, Topology
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("llmstage.orchestrator")
@@ -43,10 +48,13 @@ _tracer = trace.get_tracer("llmstage.orchestrator")
 class Orchestrator:
     """Serves Generate over a topology. `start()` checks every stage; `close()` releases."""
 
-    def __init__(self, topology: Topology, max_message_bytes: int = 16 << 20) -> None:
+    def __init__(self, topology: Topology, max_message_bytes: int = 16 << 20,
+                 discover_interval_s: float = DEFAULT_INTERVAL_S) -> None:
         self.topology = topology
-        self.pools = {s.stage_id: StagePool(s.stage_id, s.endpoints, max_message_bytes)
-                      for s in topology.stages}
+        self.pools = {s.stage_id: StagePool(s.stage_id, s.endpoints, max_message_bytes,
+                                            s.discover) for s in topology.stages}
+        self.discover_interval_s = discover_interval_s
+        self.discoveries: list[Discovery] = []
         self.runs: dict[str, RequestRun] = {}
         self._queued: dict[str, asyncio.Event] = {}  # request id -> set to cancel it
         self.num_running = 0
@@ -55,8 +63,10 @@ class Orchestrator:
         self.metrics = OrchestratorMetrics(self.state)
 
     async def start(self, wait_s: float = 30.0) -> None:
-        """Describe every replica (waiting up to `wait_s` for them to come up); refuse a
-        topology whose declared ports a stage cannot produce."""
+        """Describe every listed replica (waiting up to `wait_s` for them to come up); refuse a
+        topology whose declared ports a stage cannot produce. A discovered stage waits up to
+        `wait_s` for its first replica, then keeps discovering in the background (requests
+        meanwhile fail with UNAVAILABLE)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         for spec in self.topology.stages:
@@ -70,17 +80,27 @@ class Orchestrator:
                             raise Unavailable(f"stage {spec.stage_id} replica "
                                               f"{replica.endpoint}: {exc.details()}") from None
                         await asyncio.sleep(0.1)
-                if desc.runner != spec.runner:
-                    raise FailedPrecondition(f"stage {spec.stage_id}: {replica.endpoint} runs "
-                                             f"{desc.runner!r}, the topology says {spec.runner!r}")
-                served = {p.name for p in desc.emits}
-                missing = [p for p in spec.emits if p not in served]
-                if missing:
-                    raise FailedPrecondition(
-                        f"stage {spec.stage_id}: {replica.endpoint} cannot produce port "
-                        f"{missing[0]!r} (it emits {sorted(served)})")
+                check_description(spec, replica.endpoint, desc)
+        for spec in self.topology.stages:
+            if spec.discover is not None:
+                await self._start_discovery(spec, deadline)
+
+    async def _start_discovery(self, spec: StageSpec, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        found = Discovery(self.pools[spec.stage_id], spec.discover or "",
+                          create_admit(spec), self.discover_interval_s)
+        self.discoveries.append(found)
+        await found.refresh()
+        while not found.pool.replicas and loop.time() < deadline:
+            await asyncio.sleep(0.2)
+            await found.refresh()
+        if not found.pool.replicas:
+            log.warning("stage %s: no replica found at %s yet", spec.stage_id, spec.discover)
+        found.start()
 
     async def close(self) -> None:
+        for found in self.discoveries:
+            await found.close()
         for pool in self.pools.values():
             for replica in pool.replicas:
                 await replica.close()
@@ -255,7 +275,9 @@ class Orchestrator:
         state = self.state()
         return TopologyReport(
             self.topology,
-            {sid: tuple(ReplicaReport(r.endpoint, r.is_healthy, r.in_flight)
+            {sid: tuple(ReplicaReport(r.endpoint, r.is_healthy and not r.is_draining,
+                                      r.in_flight)
                         for r in pool.replicas) for sid, pool in self.pools.items()},
             {k: state[k] for k in ("running", "queued", "runs", "step_streams",
                                    "stream_members")})
+

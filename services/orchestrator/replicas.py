@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 import secrets
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -32,7 +33,9 @@ class Replica:
         self.stub = stage_pb2_grpc.StageStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.is_healthy = True
+        self.is_draining = False  # gone from discovery: no new requests, running ones finish
         self.in_flight = 0
+        self.on_down: Callable[[], None] | None = None  # told when a call finds it down
         self.description: pb.DescribeResponse | None = None
         # Slot ids: a random base keeps two orchestrators (or a restart) from colliding.
         self._slot_ids = itertools.count(secrets.randbits(30) << 20)
@@ -70,6 +73,8 @@ class Replica:
         if self.is_healthy:
             log.warning("replica %s of stage %s is down: %s", self.endpoint, self.stage_id, why)
         self.is_healthy = False
+        if self.on_down is not None:
+            self.on_down()
         if self._probe is None or self._probe.done():
             self._probe = asyncio.get_running_loop().create_task(self._wait_healthy())
 
@@ -105,15 +110,46 @@ class Replica:
 
 
 class StagePool:
-    """The replicas of one stage; requests go to the least-loaded healthy one."""
+    """The replicas of one stage; requests go to the least-loaded healthy one that is not
+    draining. With discovery the set changes: `add` a replica that answered its checks,
+    `drain` one that left the answer, `sweep` closes drained ones once their calls ended."""
 
-    def __init__(self, stage_id: str, endpoints: tuple[str, ...], max_message_bytes: int) -> None:
+    def __init__(self, stage_id: str, endpoints: tuple[str, ...], max_message_bytes: int,
+                 discover: str | None = None) -> None:
         self.stage_id = stage_id
+        self.max_message_bytes = max_message_bytes
+        self.discover = discover
         self.replicas = [Replica(stage_id, e, max_message_bytes) for e in endpoints]
 
     def pick(self) -> Replica:
-        healthy = [r for r in self.replicas if r.is_healthy]
+        healthy = [r for r in self.replicas if r.is_healthy and not r.is_draining]
         if not healthy:
-            raise Unavailable(f"no healthy replica of stage {self.stage_id} "
-                              f"({', '.join(r.endpoint for r in self.replicas)})")
+            known = (", ".join(r.endpoint for r in self.replicas)
+                     or f"none found at {self.discover}")
+            raise Unavailable(f"no healthy replica of stage {self.stage_id} ({known})")
         return min(healthy, key=lambda r: r.in_flight)
+
+    def endpoints(self) -> set[str]:
+        return {r.endpoint for r in self.replicas}
+
+    def add(self, replica: Replica) -> None:
+        """Start sending requests to `replica` (its checks passed); a draining replica of the
+        same endpoint is taken back instead."""
+        for r in self.replicas:
+            if r.endpoint == replica.endpoint:
+                r.is_draining = False
+                return
+        self.replicas.append(replica)
+        log.info("replica %s of stage %s joins", replica.endpoint, self.stage_id)
+
+    def drain(self, endpoint: str) -> None:
+        for r in self.replicas:
+            if r.endpoint == endpoint and not r.is_draining:
+                log.info("replica %s of stage %s drains", endpoint, self.stage_id)
+                r.is_draining = True
+
+    async def sweep(self) -> None:
+        """Close and forget draining replicas with no call in flight."""
+        for r in [r for r in self.replicas if r.is_draining and r.in_flight == 0]:
+            self.replicas.remove(r)
+            await r.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -12,6 +13,8 @@ from services.contract.llmstage.v1 import orchestrator_pb2_grpc
 from services.metrics import serve_metrics
 from services.orchestrator.codec import GenerateInput
 from services.orchestrator.core import Orchestrator
+from services.orchestrator.discovery import DEFAULT_INTERVAL_S
+from services.orchestrator.peers import Peers, is_forwarded
 from services.orchestrator.topology import Topology
 from services.server import ServerHandle, ServerOptions, create_server, serve_until_signal
 from services.telemetry import context_from, init_tracing
@@ -24,8 +27,9 @@ SERVICE_NAME = opb.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     """Decodes each call, calls one Orchestrator method, encodes its answer."""
 
-    def __init__(self, orchestrator: Orchestrator) -> None:
+    def __init__(self, orchestrator: Orchestrator, peers: Peers | None = None) -> None:
         self.orchestrator = orchestrator
+        self.peers = peers
 
     async def Generate(self, request: opb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[opb.GenerateEvent]:
@@ -36,23 +40,43 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     async def Cancel(self, request: opb.CancelGenerateRequest,
                      context: grpc.aio.ServicerContext) -> opb.CancelGenerateResponse:
-        return opb.CancelGenerateResponse(found=self.orchestrator.cancel(request.request_id))
+        found = self.orchestrator.cancel(request.request_id)
+        if not found and self.peers is not None \
+                and not is_forwarded(context.invocation_metadata()):
+            found = await self.peers.cancel(request.request_id)
+        return opb.CancelGenerateResponse(found=found)
 
     async def Topology(self, request: opb.TopologyRequest, context: grpc.aio.ServicerContext
                        ) -> opb.TopologyResponse:
         return self.orchestrator.topology_report().to_pb()
 
 
+@dataclass(frozen=True)
+class ClusterOptions:
+    """How an orchestrator finds what moves: peers (other orchestrator replicas, for Cancel)
+    and how often discovered stages are resolved again."""
+
+    peers: str | None = None  # a DNS target (dns:///orchestrator-headless:50050)
+    discover_interval_s: float = DEFAULT_INTERVAL_S
+
+    def __post_init__(self) -> None:
+        if self.discover_interval_s <= 0:
+            raise ValueError(f"discover_interval_s must be > 0, got {self.discover_interval_s}")
+
+
 async def create_orchestrator_server(topology: Topology, options: ServerOptions,
-                                     wait_s: float = 30.0
+                                     wait_s: float = 30.0,
+                                     cluster: ClusterOptions = ClusterOptions()
                                      ) -> tuple[ServerHandle, Orchestrator]:
     """Check every stage (Describe), then serve the Orchestrator API."""
-    orchestrator = Orchestrator(topology, options.max_message_bytes)
+    peers = None if cluster.peers is None else Peers(cluster.peers)
+    orchestrator = Orchestrator(topology, options.max_message_bytes,
+                                cluster.discover_interval_s)
     try:
         await orchestrator.start(wait_s)
         handle = await create_server(options, [(
             orchestrator_pb2_grpc.add_OrchestratorServicer_to_server,
-            OrchestratorServicer(orchestrator), SERVICE_NAME)])
+            OrchestratorServicer(orchestrator, peers), SERVICE_NAME)])
     except BaseException:
         await orchestrator.close()
         raise
@@ -60,10 +84,11 @@ async def create_orchestrator_server(topology: Topology, options: ServerOptions,
 
 
 async def serve(topology: Topology, options: ServerOptions, metrics_port: int | None = None,
-                on_serving: Callable[[int], Awaitable[None]] | None = None) -> None:
+                on_serving: Callable[[int], Awaitable[None]] | None = None,
+                cluster: ClusterOptions = ClusterOptions()) -> None:
     """Serve until SIGTERM or SIGINT; `on_serving(port)` runs once the API listens."""
     init_tracing("llmstage-orchestrator")
-    handle, orchestrator = await create_orchestrator_server(topology, options)
+    handle, orchestrator = await create_orchestrator_server(topology, options, cluster=cluster)
     metrics_line = ""
     if metrics_port is not None:
         _, bound = serve_metrics(orchestrator.metrics.registry, options.host, metrics_port)

@@ -7,6 +7,9 @@
      "sinks": ["backbone:text"], "defaultSinks": ["backbone:text"],
      "maxRunning": 64, "maxQueued": 256}
 
+`discover` (instead of `endpoints`) names a DNS target whose A records are the replicas,
+`dns:///runner-headless.ns.svc:50051` (system resolver) or `dns://SERVER:PORT/NAME:PORT`; the
+orchestrator re-resolves it while it runs (services/orchestrator/discovery.py).
 `launch` (optional) tells `llm-stage up` how to start the stage locally: `llm-runner serve` with
 that stage config file (relative to the topology file; the embedded default without one), or
 `command` (an executable and its arguments, e.g. the C++ talker; `--host H --port 0` are
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from services.errors import InvalidArgument, NotFound
+from services.orchestrator.dns import parse_target
 
 # Ports each known runner can emit.
 RUNNER_PORTS: dict[str, frozenset[str]] = {
@@ -31,7 +35,7 @@ RUNNER_PORTS: dict[str, frozenset[str]] = {
     "talker.codec": frozenset({"audio"}),  # the reference C++ talker (clients/cpp)
 }
 REQUEST_FIELDS = frozenset({"prompt", "text", "messages", "token_ids"})
-_STAGE_KEYS = {"id", "runner", "endpoints", "emits", "inputs", "onMissing", "launch"}
+_STAGE_KEYS = {"id", "runner", "endpoints", "discover", "emits", "inputs", "onMissing", "launch"}
 _LAUNCH_KEYS = {"config", "stage", "replicas", "command"}
 _TOP_KEYS = {"stages", "sinks", "defaultSinks", "maxRunning", "maxQueued"}
 
@@ -48,6 +52,7 @@ class StageSpec:
     launch_stage: str | None = None
     launch_replicas: int = 0  # 0 = not launched locally
     launch_command: tuple[str, ...] = ()  # a non-Python stage: its executable and arguments
+    discover: str | None = None  # a DNS target listing the replicas (then no endpoints)
 
     def upstream(self) -> list[str]:
         return [i.split(":", 1)[0] for i in self.inputs if not i.startswith("request:")]
@@ -165,8 +170,20 @@ def _parse_stage(i: int, raw: Any, base: Path) -> StageSpec:
         command = launch.get("command", [])
         if not isinstance(command, list) or not all(isinstance(c, str) for c in command):
             raise InvalidArgument(f"{where}.launch.command: must be a list of strings")
-    endpoints = _str_list(raw, "endpoints", [] if launch is not None else None, where)
-    if not endpoints and launch is None:
+    discover = raw.get("discover")
+    if discover is not None:
+        if "endpoints" in raw or launch is not None:
+            raise InvalidArgument(f"{where}.discover: replaces 'endpoints' and 'launch'; "
+                                  "give only one")
+        if not isinstance(discover, str):
+            raise InvalidArgument(f"{where}.discover: must be a string (dns:///name:port)")
+        try:
+            parse_target(discover)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{where}.discover: {exc.message}") from None
+    endpoints = _str_list(raw, "endpoints",
+                          [] if launch is not None or discover is not None else None, where)
+    if not endpoints and launch is None and discover is None:
         raise InvalidArgument(f"{where}.endpoints: at least one host:port is required")
     emits = _str_list(raw, "emits", None, where)
     if not emits:
@@ -191,7 +208,7 @@ def _parse_stage(i: int, raw: Any, base: Path) -> StageSpec:
                      launch_config=str(base / config) if config else None,
                      launch_stage=(launch or {}).get("stage"),
                      launch_replicas=(launch or {}).get("replicas", 1) if launch else 0,
-                     launch_command=tuple(command))
+                     launch_command=tuple(command), discover=discover)
 
 
 def _topological_order(by_id: dict[str, StageSpec]) -> list[StageSpec]:
