@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from llm_runner_svc.engines.base import Engine
 from llm_runner_svc.errors import InvalidArgument
@@ -22,7 +23,7 @@ def engine_names() -> list[str]:
 
 
 def create_engine(name: str, config: ModelConfig, weights: ModelWeights,
-                  **options: str) -> Engine:
+                  **options: Any) -> Engine:
     """Build the engine registered as `name`; an unknown name lists the valid ones.
     `options` go to engines that take them (tensorrt: build_dir, runtime_cache)."""
     target = _REGISTRY.get(name)

@@ -72,6 +72,7 @@ class Engine(ABC):
     config: ModelConfig
     default_step_tokens = 512  # tokens per step unless the deployment says (maxTokensPerStep)
     supports_verify = False  # returns `StepOutput.verified` for rows with `verify`
+    num_adapters = 0  # LoRA adapters a row may name (Row.adapter 1 .. num_adapters)
 
     @abstractmethod
     def preallocate(self, plan: EnginePlan) -> None:
@@ -159,12 +160,17 @@ def check_token_ids(config: ModelConfig, token_ids: Sequence[int]) -> None:
         raise InvalidArgument(f"token id outside the vocabulary 0..{config.vocab_size - 1}")
 
 
-def check_batch(config: ModelConfig, plan: EnginePlan, batch: Batch) -> None:
-    """The checks every engine makes on a batch before it runs anything."""
+def check_batch(config: ModelConfig, plan: EnginePlan, batch: Batch,
+                num_adapters: int = 0) -> None:
+    """The checks every engine makes on a batch before it runs anything; a row's adapter
+    must be one of the engine's `num_adapters` (or 0)."""
     rows = batch.rows
     if not 0 < len(rows) <= plan.max_batch:
         raise InvalidArgument(f"batch of {len(rows)} rows; maxBatch is {plan.max_batch}")
     for row in rows:
+        if not 0 <= row.adapter <= num_adapters:
+            raise InvalidArgument(f"row adapter {row.adapter}: the engine holds "
+                                  f"{num_adapters} LoRA adapters")
         if row.length == 0 or row.start < 0 or row.end > plan.max_seq:
             raise InvalidArgument(f"row of {row.length} tokens at {row.start} does not fit "
                                   f"maxSeq {plan.max_seq}")

@@ -64,6 +64,7 @@ class Row:
     prompt_end: int | None = None
     verify: int = 0  # trailing proposed tokens: greedy picks after each of the K positions
     # before the last too (StepOutput.verified); such a row is never cut across passes
+    adapter: int = 0  # the engine's LoRA adapter this row runs with; 0 = the base model
 
     @property
     def length(self) -> int:

@@ -58,6 +58,7 @@ class BatchedEngine(Engine):
     _last_picks: Sequence[int | None] | None = None
     supports_verify = True
     _verified: dict[int, list[int]]  # batch row -> greedy picks of its verify positions
+    _row_adapters: Sequence[int] = ()  # the launching batch's, per row
 
     @abstractmethod
     def _run(self, p: Pass) -> tuple[np.ndarray, np.ndarray] | None:
@@ -73,9 +74,10 @@ class BatchedEngine(Engine):
 
     def launch(self, batch: Batch) -> StepOutput:
         plan = self._checked_plan()
-        check_batch(self.config, plan, batch)
+        check_batch(self.config, plan, batch, self.num_adapters)
         tokens = resolve_tokens(batch, self._last_picks)
         rows = batch.rows
+        self._row_adapters = [r.adapter for r in rows]
         caps = CapturedStates(rows)
         self._verified = {}
         for p in split_passes(batch, tokens, plan.max_tokens, plan.prefill_chunk):

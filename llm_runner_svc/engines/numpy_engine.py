@@ -30,7 +30,9 @@ from llm_runner_svc.engines.numpy_kernels import (
     rope_tables,
     round_to_bf16,
 )
+from llm_runner_svc.engines.numpy_lora import Groups, LoraProducts, group_rows
 from llm_runner_svc.errors import InvalidArgument
+from llm_runner_svc.models.lora import LoraAdapter
 from llm_runner_svc.models.spec import ModelConfig, ModelWeights
 
 PROMPT_BLOCK = 16  # rows of a prompt block with a hidden port (at most the page size)
@@ -64,14 +66,17 @@ class NumpyEngine(BatchedEngine):
     default_step_tokens = 16
 
     def __init__(self, config: ModelConfig, weights: ModelWeights,
-                 kv_dtype: str = "float32") -> None:
+                 kv_dtype: str = "float32", adapters: Sequence[LoraAdapter] = ()) -> None:
         """`kv_dtype` "bfloat16" rounds keys and values to bf16 as they enter the (float32)
         pool: the storage precision of an engine with a bf16 KV cache, everything else in
-        float32, as a reference for such an engine."""
+        float32, as a reference for such an engine. A row with `adapter` k runs with
+        `adapters[k - 1]` (loaded for this model's shape)."""
         weights.check(config)
         if kv_dtype not in ("float32", "bfloat16"):
             raise InvalidArgument(f"kv_dtype {kv_dtype!r}: 'float32' or 'bfloat16'")
         self._round_kv = kv_dtype == "bfloat16"
+        self._lora = LoraProducts(config, adapters) if adapters else None
+        self.num_adapters = len(adapters)
         self.config = config
         c = config
         self._emb = np.ascontiguousarray(weights.embedding, dtype=np.float32)  # [vocab, hidden]
@@ -193,12 +198,13 @@ class NumpyEngine(BatchedEngine):
         ids = [piece.tokens[0]] * b
         ids[real] = piece.tokens
         self._embed(ids, b)
+        groups = self._lora_groups([piece.row], [b])
 
         def attend(layer: int, q: np.ndarray, kv: np.ndarray) -> None:
             self._store_kv(layer, slots, kv[real])
             self._attn[:b] = attend_prefill(self.config, self._kv_pool[layer], ps, q, table, pos)
 
-        self._run_layers(b, pos, attend, caps is not None)
+        self._run_layers(b, pos, attend, caps is not None, groups)
         if piece.wants_logits:  # one row, as every prompt's last token
             last = lo + k - 1
             h = rms_norm(self._x[last:last + 1], self._final_norm, self.config.rms_eps)
@@ -225,6 +231,7 @@ class NumpyEngine(BatchedEngine):
         single = Singles.build([segs[i] for i in ones], ps) if ones else None
         rows: slice | np.ndarray = slice(0, len(ones)) if not many else at[ones]
         self._embed([t for s in segs for t in s.tokens], n)
+        groups = self._lora_groups([s.row for s in segs], [len(s.tokens) for s in segs])
 
         def attend(layer: int, q: np.ndarray, kv: np.ndarray) -> None:
             self._store_kv(layer, slots, kv)
@@ -236,7 +243,7 @@ class NumpyEngine(BatchedEngine):
                 self._attn[span] = attend_prefill(self.config, pool, ps, q[span], tables[i],
                                                   spans[i])
 
-        self._run_layers(n, pos, attend, caps is not None)
+        self._run_layers(n, pos, attend, caps is not None, groups)
         last = [int(at[i + 1]) - 1 for i, s in enumerate(segs) if s.wants_logits]
         out = [s.row for s in segs if s.wants_logits]
         k = len(last)
@@ -256,14 +263,23 @@ class NumpyEngine(BatchedEngine):
             caps[0][dest], caps[1][dest] = self._cap_emb[:n], self._cap_state[:n]
 
     # ---- internals -------------------------------------------------------------------
+    def _lora_groups(self, rows: Sequence[int], lengths: Sequence[int]) -> Groups:
+        """The pass rows of each adapter, for consecutive stretches of `lengths` rows from
+        batch rows `rows`."""
+        if self._lora is None:
+            return []
+        return group_rows([self._row_adapters[r] for r in rows], lengths)
+
     def _embed(self, token_ids: Sequence[int], n: int) -> None:
         check_token_ids(self.config, token_ids)
         ids = np.fromiter(token_ids, dtype=np.int64, count=n)
         np.take(self._emb, ids, axis=0, out=self._x[:n])
 
     def _run_layers(self, n: int, pos: np.ndarray, attend: Callable[..., None],
-                    capture: bool) -> None:
-        """Every decoder layer over rows 0..n-1 of the residual buffer."""
+                    capture: bool, groups: Groups) -> None:
+        """Every decoder layer over rows 0..n-1 of the residual buffer; `groups` the rows
+        of each LoRA adapter."""
+        lora = self._lora if groups else None
         c = self.config
         x, h, tmp = self._x[:n], self._h[:n], self._tmp[:n]
         qkv, attn = self._qkv[:n], self._attn[:n]
@@ -276,6 +292,8 @@ class NumpyEngine(BatchedEngine):
         for li, lw in enumerate(self._layers):
             rms_norm(x, lw.attn_norm, c.rms_eps, out=h)
             np.matmul(h, lw.qkv_t, out=qkv)
+            if lora is not None:
+                lora.add(li, "qkv", h, qkv, groups)
             if lw.qkv_bias is not None:
                 qkv += lw.qkv_bias
             qk = qkv[:, :c.q_dim + c.kv_dim].reshape(n, heads, c.head_dim)  # view
@@ -285,9 +303,13 @@ class NumpyEngine(BatchedEngine):
             apply_rope(qk, cos, sin, c.rope_style)
             attend(li, qkv[:, :c.q_dim], qkv[:, c.q_dim:])
             np.matmul(attn, lw.wo_t, out=tmp)
+            if lora is not None:
+                lora.add(li, "o", attn, tmp, groups)
             x += tmp
             rms_norm(x, lw.ffn_norm, c.rms_eps, out=h)
             np.matmul(h, lw.gate_up_t, out=gate_up)
+            if lora is not None:
+                lora.add(li, "gate_up", h, gate_up, groups)
             gate = gate_up[:, :c.intermediate_size]
             np.negative(gate, out=act)
             np.exp(act, out=act)
@@ -295,6 +317,8 @@ class NumpyEngine(BatchedEngine):
             np.divide(gate, act, out=act)  # silu(gate) = gate / (1 + exp(-gate))
             act *= gate_up[:, c.intermediate_size:]
             np.matmul(act, lw.down_t, out=tmp)
+            if lora is not None:
+                lora.add(li, "down", act, tmp, groups)
             x += tmp
             if capture and hl == li + 1:
                 self._cap_state[:n] = x

@@ -17,6 +17,8 @@ torch_steps.py. Hidden states stay staged on the device unless a row asked for t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from llm_runner_svc.engines.base import EnginePlan, check_hidden_layer, is_same_plan
@@ -27,6 +29,7 @@ from llm_runner_svc.engines.torch_graphs import (
     PrefillGraphs,
     prefill_buckets,
 )
+from llm_runner_svc.engines.torch_lora import TorchLora
 from llm_runner_svc.engines.torch_ops import TorchOps
 from llm_runner_svc.engines.torch_picks import Picks
 from llm_runner_svc.engines.torch_prefill import PrefillStager
@@ -34,6 +37,7 @@ from llm_runner_svc.engines.torch_state import allocate_state, pass_tokens
 from llm_runner_svc.engines.torch_steps import TorchSteps
 from llm_runner_svc.engines.torch_weights import TorchWeights, load_weights
 from llm_runner_svc.errors import InvalidArgument
+from llm_runner_svc.models.lora import LoraAdapter
 from llm_runner_svc.models.spec import ModelConfig, ModelWeights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -81,7 +85,8 @@ class TorchEngine(TorchSteps):
                  kernels: str = "auto", fused_rows: int = FUSED_ROWS,
                  fused_prefill_rows: int | None = None,
                  mixed_steps: str = "split",
-                 prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS) -> None:
+                 prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS,
+                 adapters: Sequence[LoraAdapter] = ()) -> None:
         """`dtype`: "float32" or "bfloat16" (default: bf16 on CUDA, float32 on the CPU).
         `kernels`: "triton" (the CUDA default: fused kernels, decode steps as CUDA graphs), or
         "torch" for the plain reference ops, run eagerly.
@@ -96,7 +101,9 @@ class TorchEngine(TorchSteps):
         decodes as a decode step, the chunks as a prefill forward) or "joined" (one prefill
         forward over all rows); see `launch`.
         `prefill_graph_tokens`: with triton kernels on CUDA, prefill passes of up to this
-        many tokens replay a CUDA graph captured per power-of-two bucket (0: always eager)."""
+        many tokens replay a CUDA graph captured per power-of-two bucket (0: always eager).
+        `adapters`: the LoRA adapters a row may name (row adapter k: `adapters[k - 1]`);
+        a forward with such rows runs eagerly and unfused (torch_lora.py)."""
         self.config = config
         self.device = resolve_device(device)
         default = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -121,6 +128,8 @@ class TorchEngine(TorchSteps):
         self.fused_prefill_rows = fused_prefill_rows
         self.weights = weights if isinstance(weights, TorchWeights) else load_weights(
             weights, config, self.device, self.dtype)
+        self.lora = TorchLora(config, adapters, self.device) if adapters else None
+        self.num_adapters = len(adapters)
         self._plan: EnginePlan | None = None
         self._bytes = 0
 
@@ -145,7 +154,8 @@ class TorchEngine(TorchSteps):
             max_tokens=pass_tokens(plan), max_chunks=plan.max_batch,
             pages=self.state.pages_per_seq, page_size=plan.page_size,
             scratch_page=plan.num_pages, device=self.device)
-        self._bytes = self.state.nbytes + self.prefill_stager.nbytes
+        self._bytes = self.state.nbytes + self.prefill_stager.nbytes + (
+            self.lora.nbytes if self.lora is not None else 0)
         ops = TorchOps(c, plan.page_size)
         if self.kernels == "triton":
             from llm_runner_svc.engines.torch_triton import TritonOps
@@ -156,7 +166,7 @@ class TorchEngine(TorchSteps):
             self._bytes += ops.reserve(plan.max_batch, plan.max_seq, self.device)
         self.forward = Forward(c, self.weights, ops, self.state, plan.hidden_layer,
                                plan.page_size, has_f32, self.fused_rows,
-                               self.fused_prefill_rows)
+                               self.fused_prefill_rows, self.lora)
         self.stager = InputStager(self.state, scratch_page=plan.num_pages)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None

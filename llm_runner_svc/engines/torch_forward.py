@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from llm_runner_svc.engines.torch_lora import TorchGroups, TorchLora
 from llm_runner_svc.engines.torch_ops import Rope, TorchOps, pool_slots
 from llm_runner_svc.engines.torch_prefill import PrefillLayout
 from llm_runner_svc.engines.torch_state import RunState
@@ -41,12 +42,17 @@ def has_float32_products(device: torch.device, dtype: torch.dtype) -> bool:
     return bool(torch.allclose(x, want, rtol=1e-3, atol=1e-3))
 
 
+def _unfused(weight: torch.Tensor, mode: int) -> bool:
+    return False
+
+
 class Forward:
     def __init__(self, config: ModelConfig, weights: TorchWeights, ops: TorchOps,
                  state: RunState, hidden_layer: int | None, page_size: int,
                  has_f32_products: bool, fused_rows: int = 0,
-                 fused_prefill_rows: int = 0) -> None:
+                 fused_prefill_rows: int = 0, lora: TorchLora | None = None) -> None:
         self.config = config
+        self.lora = lora  # the LoRA adapters rows may name
         self.weights = weights
         self.ops = ops
         self.s = state
@@ -106,12 +112,16 @@ class Forward:
         return products.outruns_cublas
 
     def layers(self, n: int, positions: torch.Tensor, slots: torch.Tensor | None,
-               attend: Attend, capture: bool, fused: Callable[[torch.Tensor, int], bool]
-               ) -> None:
+               attend: Attend, capture: bool, fused: Callable[[torch.Tensor, int], bool],
+               lora: TorchGroups = ()) -> None:
         """Every decoder layer over residual rows 0..n-1 at `positions` [n] whose k and v
         go to pool rows `slots` [n] int64; None: `attend` rotates q and k and stores k and
-        v itself. A fused product takes and leaves float32 activations."""
+        v itself. A fused product takes and leaves float32 activations. `lora`: the rows
+        of each LoRA adapter (`TorchLora.groups`), whose products then all run unfused."""
         s, ops, products = self.s, self.ops, self.products
+        adapters = self.lora if lora else None
+        if adapters is not None:
+            fused = _unfused
         x, h = s.x[:n], s.h[:n]
         for li, lw in enumerate(self.weights.layers):
             if fused(lw.qkv, STORE):
@@ -125,6 +135,8 @@ class Forward:
                     torch.addmm(lw.qkv_bias, h, lw.qkv.t(), out=qkv)
                 else:
                     torch.mm(h, lw.qkv.t(), out=qkv)
+                if adapters is not None:
+                    adapters.add(li, "qkv", h, qkv, lora)
             if slots is not None:
                 ops.rope_store(qkv, positions, slots, s.cos, s.sin, s.k_pool[li],
                                s.v_pool[li], lw.q_norm, lw.k_norm)
@@ -136,6 +148,8 @@ class Forward:
                 products.accumulate(attn, lw.wo, x)
             else:
                 self._accumulate(x, attn, lw.wo)
+            if adapters is not None:
+                adapters.add(li, "o", attn, x, lora)
             down_fused = fused(lw.down, ACCUMULATE)
             act = s.act_f[:n] if down_fused else s.act[:n]
             if fused(lw.gate_up, SILU_GATE):
@@ -144,12 +158,16 @@ class Forward:
             else:
                 ops.rms_norm(x, lw.ffn_norm, h)
                 torch.mm(h, lw.gate_up.t(), out=s.gate_up[:n])
+                if adapters is not None:
+                    adapters.add(li, "gate_up", h, s.gate_up[:n], lora)
                 ops.silu_mul(s.gate_up[:n], act)
             if down_fused:
                 assert products is not None
                 products.accumulate(act, lw.down, x)
             else:
                 self._accumulate(x, act, lw.down)
+            if adapters is not None:
+                adapters.add(li, "down", act, x, lora)
             self._stage_state(li + 1, n, capture)
         self._stage_state(-1, n, capture)
 
@@ -179,8 +197,10 @@ class Forward:
         self._to_float32(h, self.weights.lm_head, logits)
 
     def decode(self, batch: int, ids: torch.Tensor, positions: torch.Tensor,
-               tables: torch.Tensor, capture: bool) -> None:
-        """One decode step of `batch` rows, then their greedy picks (the graph body)."""
+               tables: torch.Tensor, capture: bool,
+               lora: TorchGroups = ()) -> None:
+        """One decode step of `batch` rows, then their greedy picks (the graph body, with
+        no `lora` rows)."""
         s = self.s
 
         def attend(li: int, qkv: torch.Tensor, out: torch.Tensor) -> None:
@@ -191,11 +211,12 @@ class Forward:
         slots = (None if self.ops.ropes_in_decode_attention
                  else pool_slots(positions, tables, self.page_size))
         self.embed(ids, batch, capture)
-        self.layers(batch, positions, slots, attend, capture, fused)
+        self.layers(batch, positions, slots, attend, capture, fused, lora)
         self.head(s.x[:batch], fused)
         self.ops.argmax(s.logits[:batch], s.next_ids[:batch])
 
-    def prefill(self, layout: PrefillLayout, capture: bool) -> None:
+    def prefill(self, layout: PrefillLayout, capture: bool,
+                lora: TorchGroups = ()) -> None:
         """Every chunk of a staged prefill batch: their k and v into the pool, causal
         attention over each chunk's pages, and each chunk's last residual row into
         `x_last` at its `dest` row (`head` turns those rows into logits). States of every
@@ -207,5 +228,5 @@ class Forward:
 
         self.embed(layout.ids, n, capture)
         self.layers(n, layout.positions, layout.slots, attend, capture,
-                    self.fuses(n, is_decode=False))
+                    self.fuses(n, is_decode=False), lora)
         s.x_last.index_copy_(0, layout.dest, s.x[:n].index_select(0, layout.last))

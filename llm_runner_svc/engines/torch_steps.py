@@ -29,6 +29,7 @@ from llm_runner_svc.engines.batch import Batch, Row, StepOutput, split_passes
 from llm_runner_svc.engines.batched import CapturedStates
 from llm_runner_svc.engines.torch_forward import Forward
 from llm_runner_svc.engines.torch_graphs import DecodeGraphs, InputStager, PrefillGraphs
+from llm_runner_svc.engines.torch_lora import TorchGroups
 from llm_runner_svc.engines.torch_picks import Picks, Started
 from llm_runner_svc.engines.torch_prefill import PrefillChunk, PrefillStager
 from llm_runner_svc.engines.torch_state import RunState, decode_views
@@ -81,7 +82,7 @@ class TorchSteps(Engine):
         read once per step, the decode rows on the prefill's products). Nothing here waits
         on the device unless a row captures hidden states."""
         plan = self._need_plan()
-        check_batch(self.config, plan, batch)
+        check_batch(self.config, plan, batch, self.num_adapters)
         rows = batch.rows
         n = len(rows)
         feeds = any(r.from_pick is not None for r in rows)
@@ -129,11 +130,12 @@ class TorchSteps(Engine):
         plan, s = self._need_plan(), self.state
         b = len(rows)
         capture = plan.hidden_layer is not None and any(r.capture_hidden for r in rows)
-        if self.graphs is not None:
+        lora = self._lora_groups(rows, [1] * b)
+        if self.graphs is not None and not lora:
             self.graphs.replay(bucket)
-        else:
+        else:  # rows on LoRA adapters run eagerly: the graphs hold none
             ids, positions, tables = decode_views(s, b)
-            self.forward.decode(b, ids, positions, tables, capture)
+            self.forward.decode(b, ids, positions, tables, capture, lora)
         if not capture:
             return [None] * b
         emb, states = _host_copy(s.cap_emb[:b]), _host_copy(s.cap_state[:b])
@@ -154,7 +156,9 @@ class TorchSteps(Engine):
                                    first + seg.row if seg.is_last else plan.max_batch)
                       for seg in p.segments]
             stager.check(chunks, plan.max_seq)
-            graphs = self.prefill_graphs
+            lora = self._lora_groups([rows[seg.row] for seg in p.segments],
+                                     [len(seg.tokens) for seg in p.segments])
+            graphs = None if lora else self.prefill_graphs
             bucket = graphs.bucket_for(p.num_tokens) if graphs is not None else None
             if graphs is not None and bucket is not None:
                 layout = graphs.stage(chunks, bucket)
@@ -165,11 +169,16 @@ class TorchSteps(Engine):
             if graphs is not None and bucket is not None:
                 graphs.replay(bucket)
             else:
-                self.forward.prefill(layout, capture and p.capture)
+                self.forward.prefill(layout, capture and p.capture, lora)
             if capture and p.capture:
                 caps.add(p, _host_copy(s.cap_emb[:p.num_tokens]),
                          _host_copy(s.cap_state[:p.num_tokens]))
         return caps.joined() if capture else [None] * len(rows)
+
+    def _lora_groups(self, rows: Sequence[Row], lengths: Sequence[int]) -> TorchGroups:
+        """A forward's rows by LoRA adapter: `rows` (one per stretch of `lengths`)."""
+        lora = self.forward.lora
+        return lora.groups([r.adapter for r in rows], lengths) if lora is not None else []
 
     def sample(self, specs: Sequence[SampleSpec]) -> list[int]:
         self._need_plan()

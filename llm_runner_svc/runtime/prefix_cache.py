@@ -2,8 +2,10 @@
 
 A full page (page_size positions) is named by a hash chain: the digest of the previous
 page's name and this page's token ids, seeded by a key for everything else that changes the
-KV (the model, the page size). Equal names mean equal token prefixes, so equal KV; the token
-ids are stored beside the name and compared on a hit, so a hash collision can only miss.
+KV (the model, the page size) and by the request's LoRA adapter: requests on different
+adapters compute different KV for the same tokens, so they never share a page. Equal names
+mean equal token prefixes, so equal KV; the token ids are stored beside the name and
+compared on a hit, so a hash collision can only miss.
 
 `match` finds a request's longest cached prefix of full pages and makes it a holder of
 them; `commit` names the full pages a request has computed. A named page stays in the pool
@@ -82,8 +84,14 @@ class PrefixCache:
         """Named pages that keep their captured states."""
         return len(self._snapshots)
 
-    def match(self, tokens: Sequence[int], launches: int,
-              hidden: bool = False) -> tuple[list[int], list[bytes]]:
+    def adapter_root(self, adapter: int) -> bytes:
+        """The chain's seed for requests on LoRA adapter `adapter` (0 = the base model)."""
+        if adapter == 0:
+            return self.root
+        return page_name(self.root + b"lora", (adapter,))
+
+    def match(self, tokens: Sequence[int], launches: int, hidden: bool = False,
+              adapter: int = 0) -> tuple[list[int], list[bytes]]:
         """The pages of the longest cached prefix of `tokens`, each with a new holder, and
         their names. At least one token is left out (its logits give the first pick), so a
         prompt of whole pages reuses all but its last page. Only names written by launches
@@ -91,7 +99,7 @@ class PrefixCache:
         ps = self.pool.page_size
         pages: list[int] = []
         names: list[bytes] = []
-        name = self.root
+        name = self.adapter_root(adapter)
         for i in range((len(tokens) - 1) // ps):
             chunk = tuple(tokens[i * ps:(i + 1) * ps])
             name = page_name(name, chunk)
@@ -134,13 +142,13 @@ class PrefixCache:
             self.stats.hit_tokens += tokens
 
     def commit(self, tokens: Sequence[int], pages: Sequence[int], names: list[bytes],
-               upto: int, launch: int) -> None:
+               upto: int, launch: int, adapter: int = 0) -> None:
         """Name the full pages of `pages` past the `names` they have, whose positions are all
         below `upto` (their KV written by `launch` or earlier); their names are appended to
         `names`. A page whose content is named already (another request's page) stays the
         request's own, and `names` holds the existing name."""
         ps = self.pool.page_size
-        parent = names[-1] if names else self.root
+        parent = names[-1] if names else self.adapter_root(adapter)
         while len(names) < min(upto // ps, len(pages)):
             done = len(names)
             chunk = tuple(tokens[done * ps:(done + 1) * ps])

@@ -33,6 +33,7 @@ class GenerationRequest:
     cache_lookup: bool = True  # reuse a cached prefix (when the runtime caches prefixes)
     cache_generated: bool = True  # name the pages of generated tokens too, not only the prompt
     disable_spec_decode: bool = False  # decode plainly on a speculative deployment
+    adapter: int = 0  # the engine's LoRA adapter to run with; 0 = the base model
 
     def __post_init__(self) -> None:
         if not self.request_id:

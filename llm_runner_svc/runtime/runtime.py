@@ -22,6 +22,7 @@ from llm_runner_svc.engines.base import GREEDY_TEMPERATURE, Engine, EnginePlan
 from llm_runner_svc.errors import (
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     ResourceExhausted,
     RunnerError,
 )
@@ -145,6 +146,9 @@ class InferenceRuntime(SequenceAdvance):
         bad = [t for t in req.sampling.logit_bias if t >= vocab]
         if bad:
             return InvalidArgument(f"logit_bias names token {bad[0]}, outside 0..{vocab - 1}")
+        if not 0 <= req.adapter <= self.engine.num_adapters:
+            return NotFound(f"LoRA adapter {req.adapter}: the engine holds "
+                            f"{self.engine.num_adapters}")
         if req.capture_hidden and self.config.hidden_layer is None:
             return FailedPrecondition("hidden states were requested but this deployment "
                                       "declares no hidden port (accept_hidden_layer unset)")

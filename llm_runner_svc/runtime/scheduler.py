@@ -186,7 +186,8 @@ class Scheduler:
         hidden = seq.req.capture_hidden
         if hidden and not self.cache.max_snapshots:
             return
-        seq.pages, seq.page_names = self.cache.match(seq.known, self.launches, hidden)
+        seq.pages, seq.page_names = self.cache.match(seq.known, self.launches, hidden,
+                                                         seq.req.adapter)
         seq.computed = len(seq.pages) * self.pool.page_size
         if hidden:
             seq.reused_hidden = self.cache.pieces(seq.page_names)
@@ -213,7 +214,7 @@ class Scheduler:
         upto = min(seq.computed, len(seq.known))
         if not seq.req.cache_generated:
             upto = min(upto, len(seq.req.prompt_ids))
-        self.cache.commit(seq.known, seq.pages, seq.page_names, upto, launch)
+        self.cache.commit(seq.known, seq.pages, seq.page_names, upto, launch, seq.req.adapter)
 
     def _plan_row(self, seq: SequenceState, plan: Planned, tokens: tuple[int, ...],
                   from_pick: int | None, pick: bool) -> None:
@@ -222,7 +223,7 @@ class Scheduler:
         verify = len(tokens) - 1 if seq.proposer is not None and seq.status is \
             SeqStatus.DECODING else 0
         row = Row(tokens, start, seq.pages, spec, seq.req.capture_hidden, from_pick,
-                  len(seq.req.prompt_ids), max(verify, 0))
+                  len(seq.req.prompt_ids), max(verify, 0), seq.req.adapter)
         seq.computed = row.end
         if pick:
             seq.pending += 1
