@@ -4,7 +4,7 @@ tokenization, and the runtime request that Prepare builds."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -55,9 +55,11 @@ def check_request(config: StageConfig, model: Model, max_seq: int, req: StageReq
         raise Refused(Refusal.NO_CAPACITY, f"the stage holds {num_live} requests, its limit "
                       f"(maxBatch {config.max_batch} + {config.max_waiting} waiting)")
     check_limits(config.limits, max_seq, req)
-    if req.lora:
+    names = [name for name, _ in config.lora_adapters]
+    if req.lora and req.lora not in names:
+        known = f"it serves {names}" if names else "it loads no adapters"
         raise Refused(Refusal.UNKNOWN_ADAPTER,
-                      f"LoRA adapter {req.lora!r} is unknown; this stage loads no adapters")
+                      f"LoRA adapter {req.lora!r} is unknown to this stage; {known}")
     if req.num_media:
         raise Refused(Refusal.MEDIA_UNSUPPORTED, f"the request carries {req.num_media} media "
                       "item(s) and this stage has no perception engine")
@@ -180,9 +182,13 @@ class PreparedRun:
     seed: int
 
 
-def build_runtime_request(runtime: InferenceRuntime, slot: Slot) -> PreparedRun:
-    """The runtime's request for a slot; an unset seed is drawn here and reported later."""
+def build_runtime_request(runtime: InferenceRuntime, slot: Slot,
+                          adapters: Sequence[str] = ()) -> PreparedRun:
+    """The runtime's request for a slot; an unset seed is drawn here and reported later.
+    `adapters`: the stage's LoRA adapter names, in the engine's order (admission checked the
+    request's)."""
     req = slot.request
+    adapter = adapters.index(req.lora) + 1 if req.lora else 0
     seed = secrets.randbits(64) if req.seed is None else req.seed
     sampling = resolve(runtime.config.sampling, temperature=req.temperature, top_k=req.top_k,
                        top_p=req.top_p, max_new_tokens=req.max_tokens, seed=seed,
@@ -190,4 +196,4 @@ def build_runtime_request(runtime: InferenceRuntime, slot: Slot) -> PreparedRun:
     return PreparedRun(GenerationRequest(
         slot.runtime_id, slot.admitted, sampling, stop=req.stop, capture_hidden=req.wants_hidden,
         ignore_eos=req.ignore_eos, label=req.request_id, cache_lookup=req.cache_lookup,
-        cache_generated=req.cache_generated), seed)
+        cache_generated=req.cache_generated, adapter=adapter), seed)

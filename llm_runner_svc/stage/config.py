@@ -70,6 +70,8 @@ class StageConfig:
     prefix_cache: bool = False  # config.context_cache.enable_reuse
     prefix_cache_records: int = 0  # config.context_cache.max_records (0 = the pool bounds)
     prefix_cache_snapshots: int = 0  # config.context_cache.max_snapshots (0 = no states kept)
+    lora_adapters: tuple[tuple[str, str], ...] = ()  # config.lora_adapters: (name, directory);
+    # a request's `lora` k-th name runs on the engine's adapter k + 1
 
     engine_dir: str = ""  # a build-engine directory the engine loads its plan from
     runtime_cache: str = ""  # the tensorrt engine's runtime cache file (read at start, saved)
@@ -119,6 +121,9 @@ class StageConfig:
                               f"{self.kv_memory_bytes} and {self.kv_memory_fraction}")
         if self.engine not in engine_names():
             raise ConfigError(f"engine {self.engine!r} is unknown; valid: {engine_names()}")
+        if self.lora_adapters and self.engine not in ("numpy", "torch"):
+            raise ConfigError(f"config.lora_adapters: the {self.engine!r} engine serves no "
+                              "LoRA adapters (the 'numpy' and 'torch' engines do)")
         if self.device and self.engine != "torch":
             raise ConfigError(f"device: only the 'torch' engine takes one, this stage's engine "
                               f"is {self.engine!r}")
@@ -185,6 +190,7 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
     if unknown_port_keys:
         raise ConfigError(f"ports.hidden.{unknown_port_keys[0]}: unknown key (valid: "
                           f"{sorted(_PORT_KEYS)})")
+    adapters = _adapter_dirs(artifact, base, cfg.get("lora_adapters", {}))
     if checkpoint:
         artifact = str(Path(artifact) / checkpoint) if artifact not in _BUILTIN else checkpoint
     return StageConfig(
@@ -207,7 +213,17 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
         device=_typed(raw, "device", str, ""),
         prefix_cache=bool(cache.get("enable_reuse", False)),
         prefix_cache_records=cache.get("max_records", 0),
-        prefix_cache_snapshots=cache.get("max_snapshots", 0))
+        prefix_cache_snapshots=cache.get("max_snapshots", 0), lora_adapters=adapters)
+
+
+def _adapter_dirs(artifact: str, base: Path, table: Mapping[str, str]
+                  ) -> tuple[tuple[str, str], ...]:
+    """`lora_adapters` {name: path} with each path relative to the artifact (its folder
+    when it is a file; the config file's folder for a built-in model)."""
+    root = base if artifact in _BUILTIN else Path(artifact)
+    if root.is_file():
+        root = root.parent
+    return tuple((name, str(root / path)) for name, path in table.items())
 
 
 def _parse_runner_keys(cfg: Mapping[str, Any]) -> tuple[int, SamplingDefaults, str]:

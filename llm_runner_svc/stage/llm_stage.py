@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, cast
 
 from opentelemetry.trace import Status, StatusCode
@@ -17,6 +18,7 @@ from llm_runner_svc.engines import create_engine
 from llm_runner_svc.engines.base import Engine
 from llm_runner_svc.errors import RunnerError
 from llm_runner_svc.models import Model, load_model
+from llm_runner_svc.models.lora import load_adapter
 from llm_runner_svc.models.tokenizer import Tokenizer
 from llm_runner_svc.runtime import FinishReason, InferenceRuntime, RuntimeConfig, StepEvent
 from llm_runner_svc.stage.admission import (
@@ -81,8 +83,11 @@ class LlmStage(StageCore):
         """Load the model and build the engine and the runtime (by `runtime_factory`; by
         default the plain runtime, or the faulty one when LLM_RUNNER_FAULTS asks for it)."""
         model = load_model(config.artifact)
-        engine = create_engine(config.engine, model.config, model.weights,
-                               **config.engine_options())
+        options: dict[str, Any] = dict(config.engine_options())
+        if config.lora_adapters:  # refused here, naming the file, when one does not fit
+            options["adapters"] = [load_adapter(name, Path(path), model.config)
+                                   for name, path in config.lora_adapters]
+        engine = create_engine(config.engine, model.config, model.weights, **options)
         factory = runtime_factory or runtime_factory_from_env()
         return cls(config, model, factory(engine, model.tokenizer, config.runtime_config()),
                    slot_ttl_s, max_message_bytes)
@@ -216,7 +221,8 @@ class LlmStage(StageCore):
 
     # ---- the kit's hooks ---------------------------------------------------------------
     def _prepare(self, slot: Slot) -> None:
-        slot.prepared = build_runtime_request(self.runtime, slot)
+        slot.prepared = build_runtime_request(
+            self.runtime, slot, [name for name, _ in self.config.lora_adapters])
 
     def _submit(self, slot: Slot) -> None:
         self.runtime.submit(slot.prepared.request)

@@ -206,8 +206,6 @@ UNHONOURED: Mapping[str, _Unhonoured] = {
     "spec_decode": _Unhonoured("speculative decoding is not in this build"),
     "visual_pruning": _Unhonoured("no perception engine in this build"),
     "ple": _Unhonoured("per-layer embeddings are not in this build"),
-    "lora_adapters": _Unhonoured("LoRA is not in this build (an empty object is accepted)",
-                                 bool),
     "offload_embedding": _Unhonoured("only false is supported", bool),
 }
 

@@ -165,3 +165,25 @@ def test_bad_adapter_files_are_refused_naming_the_file(stories, tmp_path):
     _corrupt(path, r=0)
     with pytest.raises(ModelFormatError, match="r must be a positive integer"):
         load_adapter("x", path, cfg)
+
+
+def test_stage_loads_adapters_and_admit_refuses_unknown_names(stories, tmp_path):
+    from llm_runner_svc.stage.admission import Refusal, Refused, check_request
+    from llm_runner_svc.stage.config import StageConfig
+    from llm_runner_svc.stage.llm_stage import LlmStage
+    from llm_runner_svc.stage.request import StageRequest
+
+    good = [(n, str(write_adapter(tmp_path / n, stories.config, seed=i)))
+            for i, n in enumerate(("fr", "de"))]
+    config = StageConfig(lora_adapters=tuple(good))
+    stage = LlmStage.create(config)
+    assert stage.runtime.engine.num_adapters == 2
+    check_request(config, stories, 64, StageRequest("a", text="Hi", lora="de"), 0)
+    with pytest.raises(Refused) as info:
+        check_request(config, stories, 64, StageRequest("b", text="Hi", lora="es"), 0)
+    assert info.value.refusal is Refusal.UNKNOWN_ADAPTER
+    assert "'es'" in info.value.reason and "['fr', 'de']" in info.value.reason
+    bad = write_adapter(tmp_path / "bad", stories.config, seed=3)
+    _corrupt(bad, r=2)
+    with pytest.raises(ModelFormatError, match=r"bad/adapter_model.safetensors"):
+        LlmStage.create(StageConfig(lora_adapters=(*good, ("bad", str(bad)))))

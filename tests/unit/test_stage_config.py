@@ -124,13 +124,23 @@ def test_unknown_engine_lists_the_valid_ones(tmp_path):
     ("draft_checkpoint", "d.gguf"), ("multimodal_artifact", "v"),
     ("visual_pruning", {"algorithm": "dart", "reduction_ratio": 0.25}),
     ("ple", {"file": "ple.bin", "residency": "host", "cache_slots": 64}),
-    ("runtime_cache", "c"), ("lora_adapters", {"a": "x"}),
+    ("runtime_cache", "c"),
     ("offload_embedding", True),
 ])
 def test_keys_this_build_cannot_honour_are_unimplemented(tmp_path, key, value):
     exc = _raises(tmp_path, _with_config(**{key: value}))
     assert exc.code == "UNIMPLEMENTED"
     assert f"config.{key}" in exc.message
+
+
+def test_lora_adapter_paths_are_relative_to_the_artifact(tmp_path):
+    (tmp_path / "m").mkdir()
+    stage = _with_config(lora_adapters={"fr": "ad/fr", "de": "/abs/de"})
+    stage["artifact"] = "m"
+    cfg = load_stage_config(_write(tmp_path, {"stages": [stage]}))
+    assert cfg.lora_adapters == (("fr", str(tmp_path / "m" / "ad/fr")), ("de", "/abs/de"))
+    stage["engine"] = "onnx"
+    assert "config.lora_adapters" in _raises(tmp_path, stage).message
 
 
 def test_off_values_of_unhonoured_keys_are_accepted(tmp_path):
