@@ -187,3 +187,10 @@ def test_stage_loads_adapters_and_admit_refuses_unknown_names(stories, tmp_path)
     _corrupt(bad, r=2)
     with pytest.raises(ModelFormatError, match=r"bad/adapter_model.safetensors"):
         LlmStage.create(StageConfig(lora_adapters=(*good, ("bad", str(bad)))))
+
+
+def test_the_client_names_the_adapter():
+    from llm_stage_client.types import build_generate_request
+
+    assert build_generate_request(prompt="Hi", adapter="fr").request.lora == "fr"
+    assert build_generate_request(prompt="Hi").request.lora == ""

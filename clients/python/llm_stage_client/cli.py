@@ -65,6 +65,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=None,
                    help="deadline of the whole request, seconds (default: none)")
     p.add_argument("--request-id", default="", help="request id (default: the orchestrator's)")
+    p.add_argument("--adapter", default="",
+                   help="LoRA adapter to run with, by the name the deployment's "
+                        "lora_adapters gives it (default: the base model)")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -76,7 +79,8 @@ def _generate(args: argparse.Namespace) -> int:
             items = client.generate(args.prompt, temperature=args.temperature,
                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                     max_tokens=args.max_tokens, stop=args.stop,
-                                    request_id=args.request_id, sinks=sinks)
+                                    request_id=args.request_id, sinks=sinks,
+                                    adapter=args.adapter)
         except ValueError as exc:
             # Values argparse lets through but a field cannot hold (a negative seed).
             raise StageClientError("INVALID_ARGUMENT", str(exc)) from exc

@@ -38,6 +38,7 @@ class GenerateOptions(TypedDict, total=False):
     request_id: str
     sinks: Sequence[str]
     ignore_eos: bool
+    adapter: str
 
 
 @dataclass(frozen=True)
@@ -111,12 +112,14 @@ def build_generate_request(
     request_id: str = "",
     sinks: Sequence[str] = (),
     ignore_eos: bool = False,
+    adapter: str = "",
 ) -> opb.GenerateRequest:
     """The GenerateRequest for these arguments.
 
     Exactly one of `prompt` (text), `token_ids` and `messages` ((role, content) pairs) must be
     given. Each sampling value is set only when not None, so the deployment default applies
     otherwise. `sinks` are "stage:port" names (empty: the topology's default sinks).
+    `adapter` names the LoRA adapter the runner applies (empty: the base model).
 
     Raises ValueError when not exactly one prompt form is given or a value does not fit its
     field (e.g. a negative seed), TypeError when `stop` or `sinks` is a bare string.
@@ -141,7 +144,7 @@ def build_generate_request(
     if seed is not None:
         sampling.seed = seed
     req = pb.GenerationRequest(request_id=request_id, sampling=sampling, stop=list(stop),
-                               ignore_eos=ignore_eos)
+                               ignore_eos=ignore_eos, lora=adapter)
     if prompt is not None:
         req.text = prompt
     elif token_ids is not None:
