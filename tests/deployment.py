@@ -26,8 +26,8 @@ def _metrics(line: str) -> str | None:
     return f"http://{m.group(1)}/metrics" if m else None
 
 
-def _start(cmd: list[str], pattern: str, env: dict[str, str] | None = None
-           ) -> tuple[subprocess.Popen, str, str]:
+def _start(cmd: list[str], pattern: str, env: dict[str, str] | None = None,
+           host: str = "127.0.0.1") -> tuple[subprocess.Popen, str, str]:
     proc = subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE, text=True,
                             env=os.environ | (env or {}))
     assert proc.stdout is not None
@@ -36,7 +36,7 @@ def _start(cmd: list[str], pattern: str, env: dict[str, str] | None = None
     if m is None:
         proc.kill()
         raise RuntimeError(f"{cmd} did not start: {line!r}")
-    return proc, f"127.0.0.1:{m.group(1)}", line
+    return proc, f"{host}:{m.group(1)}", line
 
 
 def terminate(proc: subprocess.Popen) -> None:
@@ -51,13 +51,16 @@ def terminate(proc: subprocess.Popen) -> None:
 
 class StageProc:
     def __init__(self, config: Path | None = None, env: dict[str, str] | None = None,
-                 metrics: bool = False) -> None:
-        cmd = ["-m", "llm_runner_svc", "serve", "--port", "0", "--grace-s", "2"]
+                 metrics: bool = False, host: str = "127.0.0.1", port: int = 0,
+                 grace_s: float = 2.0) -> None:
+        cmd = ["-m", "llm_runner_svc", "serve", "--host", host, "--port", str(port),
+               "--grace-s", str(grace_s)]
         if config is not None:
             cmd += ["--config", str(config)]
         if metrics:
             cmd += ["--metrics-port", "0"]
-        self.proc, self.endpoint, line = _start(cmd, r"listening on 127\.0\.0\.1:(\d+)", env)
+        self.proc, self.endpoint, line = _start(cmd, rf"listening on {re.escape(host)}:(\d+)",
+                                                env, host)
         self.metrics_url = _metrics(line)
         self.channel = grpc.insecure_channel(self.endpoint)
         self.stub = stage_pb2_grpc.StageStub(self.channel)
