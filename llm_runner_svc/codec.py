@@ -90,7 +90,8 @@ def describe_to_pb(d: StageDescription) -> pb.DescribeResponse:
                            has_chat_template=m.chat_template is not None),
         sampling_defaults=pb.SamplingDefaults(
             max_generate_length=d.sampling.max_generate_length,
-            temperature=d.sampling.temperature, top_p=d.sampling.top_p, top_k=d.sampling.top_k))
+            temperature=d.sampling.temperature, top_p=d.sampling.top_p, top_k=d.sampling.top_k),
+        lora_adapters=list(d.lora_adapters))
 
 
 def prepared_to_pb(slot: Slot) -> pb.PrepareResponse:

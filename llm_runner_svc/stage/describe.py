@@ -31,6 +31,7 @@ class StageDescription:
     engine: str
     model: Model
     sampling: SamplingDefaults
+    lora_adapters: tuple[str, ...] = ()  # names a request may give in `lora`
 
 
 def describe(config: StageConfig, model: Model, runtime: InferenceRuntime,
@@ -40,4 +41,5 @@ def describe(config: StageConfig, model: Model, runtime: InferenceRuntime,
     ports = tuple(PortDecl(p, dtypes[p], widths[p]) for p in config.emits)
     return StageDescription(
         CONTRACT_VERSION, config.stage_id, RUNNER, ports, config.inputs, config.max_batch,
-        runtime.max_seq, max_step_window, config.engine, model, config.sampling)
+        runtime.max_seq, max_step_window, config.engine, model, config.sampling,
+        tuple(name for name, _ in config.lora_adapters))

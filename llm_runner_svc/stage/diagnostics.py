@@ -26,6 +26,7 @@ def slot_diagnostics(slot: Slot, config: StageConfig) -> dict[str, Any]:
         "cached_tokens": run.metrics.cached_tokens if run.metrics else 0,
         "prefilled_tokens": run.metrics.prefilled_tokens if run.metrics else 0,
         "engine": config.engine,
+        "adapter": slot.request.lora,  # "" = the base model
         "admit_ms": round(tel.admit_ms, 3),
         "prepare_ms": round(tel.prepare_ms, 3),
         "decode_steps": tel.num_steps,

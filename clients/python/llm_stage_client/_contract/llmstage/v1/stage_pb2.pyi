@@ -141,7 +141,7 @@ class SamplingDefaults(_message.Message):
     def __init__(self, max_generate_length: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("contract_version", "stage_id", "runner", "emits", "inputs", "max_batch", "max_seq", "max_step_window", "engine", "model", "sampling_defaults")
+    __slots__ = ("contract_version", "stage_id", "runner", "emits", "inputs", "max_batch", "max_seq", "max_step_window", "engine", "model", "sampling_defaults", "lora_adapters")
     CONTRACT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNER_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class DescribeResponse(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     contract_version: str
     stage_id: str
     runner: str
@@ -164,7 +165,8 @@ class DescribeResponse(_message.Message):
     engine: str
     model: ModelInfo
     sampling_defaults: SamplingDefaults
-    def __init__(self, contract_version: _Optional[str] = ..., stage_id: _Optional[str] = ..., runner: _Optional[str] = ..., emits: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., inputs: _Optional[_Iterable[str]] = ..., max_batch: _Optional[int] = ..., max_seq: _Optional[int] = ..., max_step_window: _Optional[int] = ..., engine: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, contract_version: _Optional[str] = ..., stage_id: _Optional[str] = ..., runner: _Optional[str] = ..., emits: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., inputs: _Optional[_Iterable[str]] = ..., max_batch: _Optional[int] = ..., max_seq: _Optional[int] = ..., max_step_window: _Optional[int] = ..., engine: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
