@@ -33,6 +33,9 @@ class StageMetrics:
                                      registry=r)
         self.generated_tokens = Counter("llmstage_generation_tokens_total",
                                         "Tokens generated", registry=r)
+        # labels are the deployment's adapter names (Admit refuses others) and "base"
+        self.adapter_requests = Counter("llmstage_adapter_requests_total",
+                                        "Runs ended, by LoRA adapter", ["adapter"], registry=r)
         gauges: dict[str, tuple[str, Callable[[StageSnapshot], float]]] = {
             "llmstage_requests_running": ("Requests decoding", lambda s: s.num_running),
             "llmstage_requests_waiting": ("Requests waiting for a batch row",
@@ -64,6 +67,7 @@ class StageMetrics:
         m = slot.run.metrics
         reason = slot.run.ended.value if slot.run.ended else "unknown"
         self.finished.labels(reason).inc()
+        self.adapter_requests.labels(slot.request.lora or "base").inc()
         if m is None or not slot.telemetry.t_join_ns:
             return
         self.prompt_tokens.inc(m.prompt_tokens)

@@ -60,3 +60,7 @@ def test_a_cohort_mixing_adapters(stories, tmp_path):
             assert diag["adapter"] == name
             srv.stub.Reset(pb.ResetRequest(slot_id=sid))
         assert got[0]["tokens"] != got[1]["tokens"] != got[2]["tokens"]
+        registry = srv.stage.metrics.registry
+        for name, n in (("fr", 2), ("de", 1), ("base", 1)):
+            assert registry.get_sample_value("llmstage_adapter_requests_total",
+                                             {"adapter": name}) == n
