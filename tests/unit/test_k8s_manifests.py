@@ -1,9 +1,12 @@
-"""deploy/k8s, rendered by `kubectl kustomize` for each overlay, checked against the code: the
-ports, probes and grace periods agree with the commands' flags, the topology's discovery target
-is the runners' headless Service, Services select pods that name their target ports."""
+"""deploy/k8s, rendered by `kubectl kustomize` for each overlay, validated against the
+Kubernetes schemas (kubernetes-validate, its newest bundled version) and checked against the
+code: the ports, probes and grace periods agree with the commands' flags, the topology's
+discovery target is the runners' headless Service, Services select pods that name their target
+ports."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -11,6 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -37,6 +41,20 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
 
 def flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_manifest_validates_against_the_kubernetes_schemas(overlay: str) -> None:
+    version = kubernetes_validate.latest_version()
+    docs = render(overlay)
+    assert {d["kind"] for d in docs} >= {"Deployment", "Service", "ConfigMap",
+                                         "PodDisruptionBudget", "HorizontalPodAutoscaler"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+    broken = copy.deepcopy(by_kind(docs, "Deployment")["runner"])
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["prot"] = 1
+    with pytest.raises(kubernetes_validate.ValidationError):  # the check can fail
+        kubernetes_validate.validate(broken, version, strict=True)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
