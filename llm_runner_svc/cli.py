@@ -68,6 +68,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="positions per request, prompt included (0 = the model's, at most 2048)")
     p.add_argument("--stop", action="append", default=[],
                    help="stop when this text appears (repeatable)")
+    p.add_argument("--spec", default=None, choices=("ngram",),
+                   help="speculative decoding of greedy output: ngram = prompt lookup")
+    p.add_argument("--proposal-tokens", type=int, default=4,
+                   help="tokens proposed per target step with --spec (default 4)")
     p.add_argument("--quiet", action="store_true",
                    help="no load progress bar and no metrics line")
 
@@ -75,7 +79,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from llm_runner_svc.engines import create_engine
     from llm_runner_svc.models import load_model
-    from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
+    from llm_runner_svc.runtime import (
+        GenerationRequest,
+        InferenceRuntime,
+        RuntimeConfig,
+        SpecConfig,
+        resolve,
+    )
 
     with load_progress(args.quiet):
         model = load_model(args.model)
@@ -90,8 +100,9 @@ def _generate(args: argparse.Namespace) -> int:
     if options and args.engine != "torch":
         raise InvalidArgument(f"--device needs --engine torch (got --engine {args.engine})")
     engine = create_engine(args.engine, model.config, model.weights, **options)
+    spec = None if args.spec is None else SpecConfig(args.spec, args.proposal_tokens)
     runtime = InferenceRuntime(engine, model.tokenizer,
-                               RuntimeConfig(max_batch=1, max_seq=args.max_seq))
+                               RuntimeConfig(max_batch=1, max_seq=args.max_seq, spec=spec))
     runtime.preallocate()
     # Like vLLM and llama.cpp: without --seed every run samples differently, and the seed it
     # drew is printed so that run can be repeated with --seed.

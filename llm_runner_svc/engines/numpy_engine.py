@@ -244,8 +244,9 @@ class NumpyEngine(BatchedEngine):
                                                   spans[i])
 
         self._run_layers(n, pos, attend, caps is not None, groups)
-        last = [int(at[i + 1]) - 1 for i, s in enumerate(segs) if s.wants_logits]
-        out = [s.row for s in segs if s.wants_logits]
+        self._verify_heads(segs, at)
+        last = [int(at[i + 1]) - 1 for i, s in enumerate(segs) if s.wants_logits and not s.verify]
+        out = [s.row for s in segs if s.wants_logits and not s.verify]
         k = len(last)
         if last == out == list(range(k)):  # a plain decode: rows in place, no copies
             rms_norm(self._x[:k], self._final_norm, self.config.rms_eps, out=self._h[:k])
@@ -253,14 +254,21 @@ class NumpyEngine(BatchedEngine):
         elif last:
             h = rms_norm(self._x[last], self._final_norm, self.config.rms_eps)
             self._logits[out] = h @ self._lm_head_t
-        for i, s in enumerate(segs):
-            if s.verify and s.is_last:  # the positions before the last one
-                end = int(at[i + 1]) - 1
-                h = rms_norm(self._x[end - s.verify:end], self._final_norm, self.config.rms_eps)
-                self._verified[s.row] = [int(t) for t in np.argmax(h @ self._lm_head_t, axis=1)]
         if caps is not None:
             dest = np.concatenate([np.arange(s.offset, s.offset + len(s.tokens)) for s in segs])
             caps[0][dest], caps[1][dest] = self._cap_emb[:n], self._cap_state[:n]
+
+    def _verify_heads(self, segs: list[Segment], at: np.ndarray) -> None:
+        """Verify rows: the head over their last K + 1 positions in one product (the head
+        is read once); greedy picks of the first K, the last one's logits as usual."""
+        for i, s in enumerate(segs):
+            if s.verify and s.wants_logits:  # a verify row is never cut across passes
+                end = int(at[i + 1])
+                h = rms_norm(self._x[end - 1 - s.verify:end], self._final_norm,
+                             self.config.rms_eps)
+                logits = h @ self._lm_head_t  # [K + 1, vocab]
+                self._verified[s.row] = [int(t) for t in np.argmax(logits[:-1], axis=1)]
+                self._logits[s.row] = logits[-1]
 
     # ---- internals -------------------------------------------------------------------
     def _lora_groups(self, rows: Sequence[int], lengths: Sequence[int]) -> Groups:

@@ -127,3 +127,14 @@ def test_preemption_keeps_greedy_output(stories):
 def test_spec_with_a_hidden_port_is_refused(stories):
     with pytest.raises(InvalidArgument, match="hidden"):
         make_runtime(stories, max_seq=512, hidden_layer=-1, spec=SpecConfig())
+
+
+def test_cli_generate_with_ngram_prints_the_plain_greedy_text(capsys):
+    from llm_runner_svc.cli import main
+
+    args = ["generate", "Lily and Tom went to the park. Lily and Tom", "--temperature", "0",
+            "--max-tokens", "40", "--quiet"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--spec", "ngram", "--proposal-tokens", "3"]) == 0
+    assert capsys.readouterr().out == plain
