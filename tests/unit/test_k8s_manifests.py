@@ -67,9 +67,10 @@ def test_probes_ports_and_grace_agree_with_the_commands(overlay: str) -> None:
             dep["spec"]["template"]["metadata"]["labels"].items(), name
         (c,) = spec["containers"]
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        assert int(flag(c["args"], "--metrics-port")) == ports["metrics"], name
-        annotations = dep["spec"]["template"]["metadata"]["annotations"]
-        assert annotations["prometheus.io/port"] == str(ports["metrics"]), name
+        if name != "talker":  # the C++ talker exports no metrics
+            assert int(flag(c["args"], "--metrics-port")) == ports["metrics"], name
+            annotations = dep["spec"]["template"]["metadata"]["annotations"]
+            assert annotations["prometheus.io/port"] == str(ports["metrics"]), name
         assert c["resources"]["requests"] and c["resources"]["limits"]["memory"], name
         if name == "gateway":
             assert int(flag(c["args"], "--port")) == ports["http"]
@@ -78,8 +79,8 @@ def test_probes_ports_and_grace_agree_with_the_commands(overlay: str) -> None:
         for probe in ("readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == ports["grpc"], (name, probe)
         sleep_s = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
-        assert spec["terminationGracePeriodSeconds"] > sleep_s + float(
-            flag(c["args"], "--grace-s")), name
+        grace_s = 5.0 if name == "talker" else float(flag(c["args"], "--grace-s"))
+        assert spec["terminationGracePeriodSeconds"] > sleep_s + grace_s, name
     runner = by_kind(docs, "Deployment")["runner"]["spec"]["template"]["spec"]["containers"][0]
     startup = runner["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300  # load + preallocation
@@ -95,13 +96,17 @@ def test_discovery_targets_are_the_headless_services(overlay: str, tmp_path: Pat
                      <= d["spec"]["template"]["metadata"]["labels"].items())
         names = {p["name"] for p in owner["spec"]["template"]["spec"]["containers"][0]["ports"]}
         assert all(p["targetPort"] in names for p in svc["spec"]["ports"]), name
-    assert services["runner-headless"]["spec"]["clusterIP"] == "None"
     config = by_kind(docs, "ConfigMap")["llm-config"]["data"]
     topology = parse_topology(json.loads(config["topology.json"]))
-    (stage,) = topology.stages
-    target = parse_target(stage.discover or "")
-    assert target.name == "runner-headless.llm.svc.cluster.local"
-    assert target.port == services["runner-headless"]["spec"]["ports"][0]["port"]
+    thinker, talker = topology.stages
+    for stage, service in ((thinker, "runner-headless"), (talker, "talker-headless")):
+        target = parse_target(stage.discover or "")
+        assert target.name == f"{service}.llm.svc.cluster.local"
+        assert target.port == services[service]["spec"]["ports"][0]["port"]
+        assert services[service]["spec"]["clusterIP"] == "None"
+    talker_args = deployments["talker"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert flag(talker_args, "--stage-id") == talker.stage_id
+    stage = thinker
     (tmp_path / "stage.json").write_text(config["stage.json"])
     served = load_stage_config(tmp_path / "stage.json")  # the runners' config loads as is
     assert served.stage_id == stage.stage_id and set(stage.emits) <= set(served.emits)
