@@ -130,6 +130,8 @@ class Scheduler:
         if k <= 0:
             return ()
         proposal = tuple(seq.proposer.propose(seq.known, k))
+        if len(proposal) < seq.proposer.config.min_proposal:
+            return ()
         seq.metrics.proposed_tokens += len(proposal)
         return proposal
 

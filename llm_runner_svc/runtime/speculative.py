@@ -29,6 +29,7 @@ class SpecConfig:
     proposal_tokens: int = 4  # K: proposed tokens per verify row
     ngram_max: int = 3  # the longest context suffix looked up (ngram)
     ngram_min: int = 1  # the shortest one tried before giving up (ngram)
+    min_proposal: int = 1  # a shorter proposal is not verified (a plain decode row instead)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -37,6 +38,9 @@ class SpecConfig:
         if not 1 <= self.proposal_tokens <= 16:
             raise InvalidArgument(
                 f"spec_decode.proposal_tokens must be in 1..16, got {self.proposal_tokens}")
+        if not 1 <= self.min_proposal <= self.proposal_tokens:
+            raise InvalidArgument(f"spec_decode.dspark_min_proposal_len must be in "
+                                  f"1..{self.proposal_tokens}, got {self.min_proposal}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InvalidArgument(f"spec_decode ngram sizes need 1 <= ngram_min <= ngram_max, "
                                   f"got {self.ngram_min}..{self.ngram_max}")

@@ -25,6 +25,7 @@ from llm_runner_svc.errors import NotFound, RunnerError, Unimplemented
 from llm_runner_svc.export.sidecar import is_build_dir, load_sidecar
 from llm_runner_svc.runtime.config import RuntimeConfig
 from llm_runner_svc.runtime.sampling import SamplingDefaults
+from llm_runner_svc.runtime.speculative import SpecConfig
 from llm_runner_svc.stage.limits import KEYS as LIMIT_KEYS
 from llm_runner_svc.stage.limits import RequestLimits, parse_limits
 from llm_runner_svc.stage.runner_keys import ConfigError, check_runner_keys
@@ -70,6 +71,7 @@ class StageConfig:
     prefix_cache: bool = False  # config.context_cache.enable_reuse
     prefix_cache_records: int = 0  # config.context_cache.max_records (0 = the pool bounds)
     prefix_cache_snapshots: int = 0  # config.context_cache.max_snapshots (0 = no states kept)
+    spec: SpecConfig | None = None  # config.spec_decode (method ngram); None = plain decode
     lora_adapters: tuple[tuple[str, str], ...] = ()  # config.lora_adapters: (name, directory);
     # a request's `lora` k-th name runs on the engine's adapter k + 1
 
@@ -85,7 +87,7 @@ class StageConfig:
             sampling=self.sampling, max_tokens_per_step=self.max_tokens_per_step,
             kv_memory_bytes=self.kv_memory_bytes, kv_memory_fraction=self.kv_memory_fraction,
             prefix_cache=self.prefix_cache, prefix_cache_records=self.prefix_cache_records,
-            prefix_cache_snapshots=self.prefix_cache_snapshots)
+            prefix_cache_snapshots=self.prefix_cache_snapshots, spec=self.spec)
 
     def engine_options(self) -> dict[str, str]:
         """Keyword arguments for create_engine beyond the model (none for most engines)."""
@@ -119,6 +121,9 @@ class StageConfig:
             raise ConfigError(f"maxTokensPerStep and kvMemoryBytes must be >= 0 and "
                               f"kvMemoryFraction in [0, 1), got {self.max_tokens_per_step}, "
                               f"{self.kv_memory_bytes} and {self.kv_memory_fraction}")
+        if self.spec is not None and self.has_hidden_port:
+            raise ConfigError("config.spec_decode: a speculative build emits no hidden port; "
+                              "drop 'hidden' from emits or spec_decode")
         if self.engine not in engine_names():
             raise ConfigError(f"engine {self.engine!r} is unknown; valid: {engine_names()}")
         if self.lora_adapters and self.engine not in ("numpy", "torch"):
@@ -213,7 +218,22 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
         device=_typed(raw, "device", str, ""),
         prefix_cache=bool(cache.get("enable_reuse", False)),
         prefix_cache_records=cache.get("max_records", 0),
-        prefix_cache_snapshots=cache.get("max_snapshots", 0), lora_adapters=adapters)
+        prefix_cache_snapshots=cache.get("max_snapshots", 0), lora_adapters=adapters,
+        spec=_spec_config(cfg.get("spec_decode")))
+
+
+def _spec_config(raw: Mapping[str, Any] | None) -> SpecConfig | None:
+    """`spec_decode` (checked to be method ngram): K is proposal_tokens (0 = 4), capped by
+    dspark_max_proposal_len (0 = no cap); shorter proposals than dspark_min_proposal_len
+    are not verified."""
+    if raw is None:
+        return None
+    k = raw.get("proposal_tokens", 0) or 4
+    k = min(k, raw.get("dspark_max_proposal_len", 0) or k)
+    try:
+        return SpecConfig(raw["method"], k, min_proposal=raw.get("dspark_min_proposal_len", 1))
+    except RunnerError as exc:
+        raise ConfigError(f"config.{exc.message}") from exc
 
 
 def _adapter_dirs(artifact: str, base: Path, table: Mapping[str, str]

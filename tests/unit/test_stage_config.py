@@ -274,3 +274,28 @@ def test_every_example_stage_file_in_the_repository_loads(tmp_path):
     assert {"thinker.json", "readme0.json"} <= names, names
     for path in files:
         assert load_stage_config(path).stage_id, path
+
+
+def test_spec_decode_ngram_is_honoured_and_its_lengths_read(tmp_path):
+    stage = _with_config(spec_decode={"method": "ngram", "proposal_tokens": 6,
+                                      "dspark_max_proposal_len": 5,
+                                      "dspark_min_proposal_len": 2})
+    stage["emits"] = ["text", "tokens"]
+    cfg = load_stage_config(_write(tmp_path, {"stages": [stage]}))
+    assert cfg.spec is not None
+    assert (cfg.spec.method, cfg.spec.proposal_tokens, cfg.spec.min_proposal) == ("ngram", 5, 2)
+    assert cfg.runtime_config().spec == cfg.spec
+
+
+@pytest.mark.parametrize("spec, code, words", [
+    ({"method": "ngram"}, "INVALID_ARGUMENT", "emits no hidden port"),
+    ({"method": "draft"}, "UNIMPLEMENTED", "only method 'ngram'"),
+    ({"method": "ngram", "dspark_w2_backend": "x"}, "UNIMPLEMENTED", "dspark_w2_backend"),
+    ({"method": "ngram", "draft_top_k": 4}, "UNIMPLEMENTED", "tree drafting"),
+])
+def test_spec_decode_refusals_name_the_rule(tmp_path, spec, code, words):
+    stage = _with_config(spec_decode=spec)
+    stage["emits"] = ["text", "tokens", "hidden"]
+    exc = _raises(tmp_path, stage)
+    assert exc.code == code
+    assert words in exc.message
