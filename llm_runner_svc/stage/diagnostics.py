@@ -45,6 +45,10 @@ def slot_diagnostics(slot: Slot, config: StageConfig) -> dict[str, Any]:
                            "max_tokens": sp.max_new_tokens, "seed": str(slot.prepared.seed)}
     if run.metrics is not None:
         out["timings"] = run.metrics.as_dict()
+        if run.metrics.target_steps:  # a speculative request
+            out.update({k: out["timings"][k] for k in (
+                "proposed_tokens", "accepted_tokens", "acceptance_rate",
+                "tokens_per_target_step")})
     return out
 
 

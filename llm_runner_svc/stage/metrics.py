@@ -36,6 +36,15 @@ class StageMetrics:
         # labels are the deployment's adapter names (Admit refuses others) and "base"
         self.adapter_requests = Counter("llmstage_adapter_requests_total",
                                         "Runs ended, by LoRA adapter", ["adapter"], registry=r)
+        # speculative decoding: acceptance = accepted / proposed, tokens per target step =
+        # verified tokens / target steps (rates of these counters)
+        self.spec = {name: Counter(f"llmstage_spec_{name}_total", doc, registry=r)
+                     for name, doc in (
+                         ("proposed_tokens", "Tokens proposed to verify rows"),
+                         ("accepted_tokens", "Proposed tokens the target agreed with"),
+                         ("target_steps",
+                          "Decode rows of speculative requests (target forwards)"),
+                         ("verified_tokens", "Tokens those decode rows yielded"))}
         gauges: dict[str, tuple[str, Callable[[StageSnapshot], float]]] = {
             "llmstage_requests_running": ("Requests decoding", lambda s: s.num_running),
             "llmstage_requests_waiting": ("Requests waiting for a batch row",
@@ -72,6 +81,8 @@ class StageMetrics:
             return
         self.prompt_tokens.inc(m.prompt_tokens)
         self.generated_tokens.inc(m.generated_tokens)
+        for name, counter in self.spec.items():
+            counter.inc(getattr(m, name))
         self.queue.observe(m.queue_ms / 1000.0)
         if m.generated_tokens:
             self.ttft.observe(m.ttft_ms / 1000.0)

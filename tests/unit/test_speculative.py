@@ -138,3 +138,23 @@ def test_cli_generate_with_ngram_prints_the_plain_greedy_text(capsys):
     plain = capsys.readouterr().out
     assert main([*args, "--spec", "ngram", "--proposal-tokens", "3"]) == 0
     assert capsys.readouterr().out == plain
+
+
+def test_stage_counters_add_up_a_speculative_run():
+    from types import SimpleNamespace
+
+    from llm_runner_svc.runtime import RequestMetrics
+    from llm_runner_svc.stage.metrics import StageMetrics
+
+    m = RequestMetrics(prompt_tokens=5, generated_tokens=9, proposed_tokens=12,
+                       accepted_tokens=6, target_steps=4, verified_tokens=9)
+    slot = SimpleNamespace(run=SimpleNamespace(metrics=m, ended=FinishReason.MAX_LENGTH),
+                           request=SimpleNamespace(lora=""),
+                           telemetry=SimpleNamespace(t_join_ns=1))
+    metrics = StageMetrics(lambda: None)
+    metrics.run_ended(slot)
+    read = metrics.registry.get_sample_value
+    assert [read(f"llmstage_spec_{n}_total") for n in (
+        "proposed_tokens", "accepted_tokens", "target_steps", "verified_tokens")] == \
+        [12.0, 6.0, 4.0, 9.0]
+    assert m.acceptance_rate == 0.5 and m.tokens_per_target_step == 2.25
