@@ -2,9 +2,10 @@
 
 Each row of a pass runs with its own adapter (0 = none). The base product runs once over all
 rows; then, per adapter present in the pass, its rows take `(x @ A^T) @ (scale B)^T` added
-onto the base output. The adapter's A and B of the modules fused in one engine matrix (q/k/v,
-gate/up) are fused too: A^T side by side [in, sum r], B^T block-diagonal [sum r, out], so each
-fused matrix costs two small products per adapter present, whatever the modules targeted.
+onto the base output. The adapter's A of the modules fused in one engine matrix (q/k/v,
+gate/up) are fused too (A^T side by side [in, sum r]: one product), while each module's B^T
+multiplies its own rank columns into its own output columns: a block-diagonal fused B^T would
+read its zero blocks on every step (a third more adapter bytes, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -21,29 +22,33 @@ FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
          "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 Groups = list[tuple[int, slice | np.ndarray]]  # (adapter index, its rows)
+# (A^T [in, R], [(rank columns, output columns, scale * B^T [r, out_m]) per module])
+Fused = tuple[np.ndarray, list[tuple[slice, slice, np.ndarray]]]
 
 
 def fuse_matrices(cfg: ModelConfig, adapter: LoraAdapter, layer: int,
-          modules: Sequence[str]) -> tuple[np.ndarray, np.ndarray] | None:
-    """(A^T [in, R], scale * B^T block-diagonal [R, out]) of the targeted `modules`."""
+                  modules: Sequence[str]) -> Fused | None:
+    """(A^T [in, R] of the targeted `modules` side by side, and per targeted module its rank
+    columns of A^T, its output columns and scale * B^T [r, out_m])."""
     pairs = [(m, adapter.layers[layer].get(m)) for m in modules]
     if all(p is None for _, p in pairs):
         return None
     in_dim = module_shape(cfg, modules[0])[1]
-    total_out = sum(module_shape(cfg, m)[0] for m in modules)
     total_r = sum(adapter.rank for _, p in pairs if p is not None)
     a_t = np.zeros((in_dim, total_r), np.float32)
-    b_t = np.zeros((total_r, total_out), np.float32)
+    parts = []
     r0 = c0 = 0
+    r = adapter.rank
     for m, p in pairs:
         out_dim = module_shape(cfg, m)[0]
         if p is not None:
             a, b = p
-            a_t[:, r0:r0 + adapter.rank] = a.T
-            b_t[r0:r0 + adapter.rank, c0:c0 + out_dim] = adapter.scale * b.T
-            r0 += adapter.rank
+            a_t[:, r0:r0 + r] = a.T
+            parts.append((slice(r0, r0 + r), slice(c0, c0 + out_dim),
+                          np.ascontiguousarray(adapter.scale * b.T, np.float32)))
+            r0 += r
         c0 += out_dim
-    return a_t, b_t
+    return a_t, parts
 
 
 def group_rows(adapters: Sequence[int], lengths: Sequence[int]) -> Groups:
@@ -73,5 +78,8 @@ class LoraProducts:
         out [n, out]."""
         for k, rows in groups:
             mats = self._mats[k - 1][layer][matrix]
-            if mats is not None:
-                out[rows] += (x[rows] @ mats[0]) @ mats[1]
+            if mats is None:
+                continue
+            t = x[rows] @ mats[0]  # [rows, R]
+            for rank_cols, out_cols, b_t in mats[1]:
+                out[rows, out_cols] += t[:, rank_cols] @ b_t

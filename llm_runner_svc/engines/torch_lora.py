@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from llm_runner_svc.engines.numpy_lora import FUSED, fuse_matrices, group_rows
+from llm_runner_svc.engines.numpy_lora import FUSED, Fused, fuse_matrices, group_rows
 from llm_runner_svc.models.lora import LoraAdapter
 from llm_runner_svc.models.spec import ModelConfig
 
+_TorchFused = tuple[torch.Tensor, list[tuple[slice, slice, torch.Tensor]]]
 TorchGroups = Sequence[tuple[int, slice | torch.Tensor]]  # (adapter index, its rows)
 
 
@@ -28,18 +28,19 @@ class TorchLora:
                  device: torch.device) -> None:
         self.device = device
 
-        def put(pair: tuple[np.ndarray, np.ndarray] | None
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-            if pair is None:
+        def put(fused: Fused | None) -> _TorchFused | None:
+            if fused is None:
                 return None
-            return (torch.as_tensor(pair[0], device=device),
-                    torch.as_tensor(pair[1], device=device))
+            return (torch.as_tensor(fused[0], device=device),
+                    [(rs, cs, torch.as_tensor(b, device=device)) for rs, cs, b in fused[1]])
 
-        # _mats[k - 1][layer][matrix] = (A^T [in, R], B^T [R, out]) float32, or None
+        # _mats[k - 1][layer][matrix] = (A^T [in, R], per module (rank columns, output
+        # columns, scale * B^T [r, out_m])) float32, or None
         self._mats = [[{name: put(fuse_matrices(cfg, a, i, mods)) for name, mods in FUSED.items()}
                        for i in range(cfg.num_layers)] for a in adapters]
-        self.nbytes = sum(t.nbytes for per in self._mats for layer in per
-                          for pair in layer.values() if pair is not None for t in pair)
+        self.nbytes = sum(f[0].nbytes + sum(b.nbytes for _, _, b in f[1])
+                          for per in self._mats for layer in per for f in layer.values()
+                          if f is not None)
 
     def groups(self, adapters: Sequence[int], lengths: Sequence[int]) -> TorchGroups:
         """Forward rows by adapter for consecutive stretches of `lengths` rows on
@@ -58,8 +59,11 @@ class TorchLora:
             mats = self._mats[k - 1][layer][matrix]
             if mats is None:
                 continue
-            if isinstance(rows, slice):
-                out[rows] += ((x[rows].float() @ mats[0]) @ mats[1]).to(out.dtype)
-            else:
-                delta = (x.index_select(0, rows).float() @ mats[0]) @ mats[1]
-                out.index_add_(0, rows, delta.to(out.dtype))
+            xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+            t = xs.float() @ mats[0]  # [rows, R]
+            for rank_cols, out_cols, b_t in mats[1]:
+                delta = (t[:, rank_cols] @ b_t).to(out.dtype)
+                if isinstance(rows, slice):
+                    out[rows, out_cols] += delta
+                else:
+                    out[:, out_cols].index_add_(0, rows, delta)
