@@ -6,6 +6,11 @@ target modules are the seven linear layers of a Llama-family decoder (q/k/v/o, g
 under their Hugging Face names. Every check happens at load: an adapter whose rank, targets or
 shapes do not fit the base model is refused naming the file and the rule, so a loaded adapter
 always fits (`LoraAdapter`). Host arrays only; engines lay them out as they need.
+
+PEFT adapters are made on Hugging Face models, whose RoPE rotates halves of a head. A model
+whose RoPE rotates adjacent pairs (GGUF llama, llama2.c) holds q and k with each head's rows
+permuted the way llama.cpp's converter does; the adapter's q/k lora_B rows (its output side)
+are permuted the same way at load, so it changes those heads exactly as it does the HF model.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import numpy as np
 
 from llm_runner_svc.errors import ModelFormatError
 from llm_runner_svc.models.hf import _load_safetensors, _read_json
-from llm_runner_svc.models.spec import ModelConfig, ModelWeights
+from llm_runner_svc.models.spec import ModelConfig, ModelWeights, RopeStyle
 
 # PEFT module name -> LayerWeights field
 MODULES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
@@ -66,6 +71,30 @@ def _targets(raw: Any, where: Path) -> tuple[str, ...]:
     return tuple(m for m in MODULES if m in names)
 
 
+def _interleave_heads(b: np.ndarray, num_heads: int) -> np.ndarray:
+    """Rows of a q or k output [heads * head_dim, r] from halves order (HF) to adjacent pairs
+    within each head (llama.cpp's `permute`)."""
+    out, r = b.shape
+    return b.reshape(num_heads, 2, out // num_heads // 2, r).swapaxes(1, 2).reshape(out, r)
+
+
+# Settings of adapter_config.json that change what an adapter computes beyond W + s B A,
+# with the value that means "off".
+_UNSUPPORTED = {"use_dora": False, "lora_bias": False, "bias": "none", "modules_to_save": None,
+                "layers_to_transform": None, "fan_in_fan_out": False,
+                "layer_replication": None, "target_parameters": None,
+                "trainable_token_indices": None, "use_qalora": False,
+                "alora_invocation_tokens": None}
+
+
+def _check_supported(meta: dict[str, Any], where: Path) -> None:
+    for key, off in _UNSUPPORTED.items():
+        value = meta.get(key, off)
+        if value != off and not (off is None and value == []):
+            raise ModelFormatError(f"{where}: {key}={value!r} is not supported "
+                                   f"(only {key}={off!r})")
+
+
 def _scale(meta: dict[str, Any], where: Path) -> tuple[int, float]:
     r, alpha = meta.get("r"), meta.get("lora_alpha", meta.get("r"))
     if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
@@ -87,6 +116,7 @@ def load_adapter(name: str, path: Path, cfg: ModelConfig) -> LoraAdapter:
     meta = _read_json(meta_file)
     if meta.get("peft_type", "LORA") != "LORA":
         raise ModelFormatError(f"{meta_file}: peft_type {meta.get('peft_type')!r} is not LORA")
+    _check_supported(meta, meta_file)
     targets = _targets(meta.get("target_modules"), meta_file)
     rank, scale = _scale(meta, meta_file)
     tensors = _load_safetensors(weights_file)
@@ -117,6 +147,9 @@ def load_adapter(name: str, path: Path, cfg: ModelConfig) -> LoraAdapter:
             if a is None or b is None:
                 raise ModelFormatError(f"{weights_file}: layer {i} {module} lacks its "
                                        f"lora_{'A' if a is None else 'B'} weight")
+            if cfg.rope_style is RopeStyle.INTERLEAVED and module in ("q_proj", "k_proj"):
+                b = _interleave_heads(b, cfg.num_heads if module == "q_proj"
+                                      else cfg.num_kv_heads)
             pairs[module] = (np.ascontiguousarray(a, np.float32),
                              np.ascontiguousarray(b, np.float32))
         layers.append(pairs)
