@@ -45,6 +45,21 @@ class HiddenStates:
 
 
 @dataclass(frozen=True)
+class EmbedSpan:
+    """Input embeddings of consecutive positions start .. start+len-1 of a request (an
+    image's encoder output at its placeholder tokens): they replace those positions' token
+    embeddings wherever a row covers them."""
+
+    start: int
+    values: Any  # [num_positions, hidden] float32, an engine's host array
+    key: bytes = b""  # names the content (the prefix cache keys pages holding it by this)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.values)
+
+
+@dataclass(frozen=True)
 class Row:
     """Tokens fed at positions start .. end-1 of one request, their KV written into `pages`.
 
@@ -65,6 +80,7 @@ class Row:
     verify: int = 0  # trailing proposed tokens: greedy picks after each of the K positions
     # before the last too (StepOutput.verified); such a row is never cut across passes
     adapter: int = 0  # the engine's LoRA adapter this row runs with; 0 = the base model
+    embeds: Sequence[EmbedSpan] = ()  # input embeddings replacing the tokens' own
 
     @property
     def length(self) -> int:
@@ -111,6 +127,18 @@ class Segment:
     wants_logits: bool  # its last token's logits go to logits row `row`
     prompt_end: int | None = None  # the row's: positions below it are prompt tokens
     verify: int = 0  # the row's `verify`: greedy picks after the K positions before the last
+    embeds: Sequence[EmbedSpan] = ()  # the row's
+
+    def overrides(self) -> list[tuple[int, Any]]:
+        """(offset in the segment, embeddings [k, hidden]) for each stretch of it that an
+        embed span covers."""
+        out = []
+        end = self.start + len(self.tokens)
+        for span in self.embeds:
+            lo, hi = max(span.start, self.start), min(span.end, end)
+            if lo < hi:
+                out.append((lo - self.start, span.values[lo - span.start:hi - span.start]))
+        return out
 
 
 @dataclass
@@ -144,7 +172,7 @@ def split_passes(batch: Batch, tokens: list[list[int]], max_tokens: int,
             is_last = lo + n == len(toks)
             current.append(Segment(i, used, toks[lo:lo + n], row.start + lo, row.pages,
                                    is_last, is_last and (batch.keep_logits or bool(row.sample)),
-                                   row.prompt_end, row.verify))
+                                   row.prompt_end, row.verify, row.embeds))
             capture = capture or row.capture_hidden
             used += n
             lo += n
@@ -163,9 +191,10 @@ def split_prompt(s: Segment) -> tuple[Segment | None, Segment | None]:
         return s, None
     if k == 0:
         return None, s
-    head = Segment(s.row, s.offset, s.tokens[:k], s.start, s.pages, False, False, s.prompt_end)
+    head = Segment(s.row, s.offset, s.tokens[:k], s.start, s.pages, False, False, s.prompt_end,
+                   embeds=s.embeds)
     tail = Segment(s.row, s.offset + k, s.tokens[k:], s.start + k, s.pages, s.is_last,
-                   s.wants_logits, s.prompt_end, s.verify)
+                   s.wants_logits, s.prompt_end, s.verify, s.embeds)
     return head, tail
 
 
@@ -180,6 +209,7 @@ def aligned_pieces(s: Segment | None, block: int) -> list[Segment]:
         k = min(n - lo, block - (s.start + lo) % block)
         end = lo + k == n
         pieces.append(Segment(s.row, s.offset + lo, s.tokens[lo:lo + k], s.start + lo, s.pages,
-                              s.is_last and end, s.wants_logits and end, s.prompt_end))
+                              s.is_last and end, s.wants_logits and end, s.prompt_end,
+                              embeds=s.embeds))
         lo += k
     return pieces

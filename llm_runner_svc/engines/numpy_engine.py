@@ -198,6 +198,7 @@ class NumpyEngine(BatchedEngine):
         ids = [piece.tokens[0]] * b
         ids[real] = piece.tokens
         self._embed(ids, b)
+        self._override(piece, lo)
         groups = self._lora_groups([piece.row], [b])
 
         def attend(layer: int, q: np.ndarray, kv: np.ndarray) -> None:
@@ -231,6 +232,8 @@ class NumpyEngine(BatchedEngine):
         single = Singles.build([segs[i] for i in ones], ps) if ones else None
         rows: slice | np.ndarray = slice(0, len(ones)) if not many else at[ones]
         self._embed([t for s in segs for t in s.tokens], n)
+        for s, first in zip(segs, at, strict=False):
+            self._override(s, int(first))
         groups = self._lora_groups([s.row for s in segs], [len(s.tokens) for s in segs])
 
         def attend(layer: int, q: np.ndarray, kv: np.ndarray) -> None:
@@ -282,6 +285,12 @@ class NumpyEngine(BatchedEngine):
         check_token_ids(self.config, token_ids)
         ids = np.fromiter(token_ids, dtype=np.int64, count=n)
         np.take(self._emb, ids, axis=0, out=self._x[:n])
+
+    def _override(self, seg: Segment, first: int) -> None:
+        """Residual rows of `seg` (from row `first`) that an embed span covers take its
+        embeddings instead of their tokens'."""
+        for offset, values in seg.overrides():
+            self._x[first + offset:first + offset + len(values)] = values
 
     def _run_layers(self, n: int, pos: np.ndarray, attend: Callable[..., None],
                     capture: bool, groups: Groups) -> None:

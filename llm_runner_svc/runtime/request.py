@@ -9,6 +9,7 @@ from enum import StrEnum
 from typing import Any
 
 from llm_runner_svc.engines.base import HiddenStates, SampleSpec
+from llm_runner_svc.engines.batch import EmbedSpan
 from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.models.tokenizer import StreamDecoder
 from llm_runner_svc.runtime.sampling import SamplingParams, uniform_draw
@@ -34,6 +35,7 @@ class GenerationRequest:
     cache_generated: bool = True  # name the pages of generated tokens too, not only the prompt
     disable_spec_decode: bool = False  # decode plainly on a speculative deployment
     adapter: int = 0  # the engine's LoRA adapter to run with; 0 = the base model
+    embeds: Sequence[EmbedSpan] = ()  # image embeddings at their placeholder positions
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -42,6 +44,8 @@ class GenerationRequest:
             raise InvalidArgument("prompt is empty: at least one token is required")
         if any(not s for s in self.stop):
             raise InvalidArgument("stop strings must not be empty")
+        if any(e.start < 0 or e.end > len(self.prompt_ids) for e in self.embeds):
+            raise InvalidArgument("an embedding span lies outside the prompt")
 
 
 @dataclass

@@ -189,7 +189,7 @@ class Scheduler:
         if hidden and not self.cache.max_snapshots:
             return
         seq.pages, seq.page_names = self.cache.match(seq.known, self.launches, hidden,
-                                                         seq.req.adapter)
+                                                     seq.req.adapter, seq.req.embeds)
         seq.computed = len(seq.pages) * self.pool.page_size
         if hidden:
             seq.reused_hidden = self.cache.pieces(seq.page_names)
@@ -216,7 +216,8 @@ class Scheduler:
         upto = min(seq.computed, len(seq.known))
         if not seq.req.cache_generated:
             upto = min(upto, len(seq.req.prompt_ids))
-        self.cache.commit(seq.known, seq.pages, seq.page_names, upto, launch, seq.req.adapter)
+        self.cache.commit(seq.known, seq.pages, seq.page_names, upto, launch, seq.req.adapter,
+                          seq.req.embeds)
 
     def _plan_row(self, seq: SequenceState, plan: Planned, tokens: tuple[int, ...],
                   from_pick: int | None, pick: bool) -> None:
@@ -224,8 +225,9 @@ class Scheduler:
         spec = seq.spec(len(seq.output_ids) + seq.pending) if pick else None
         verify = len(tokens) - 1 if seq.proposer is not None and seq.status is \
             SeqStatus.DECODING else 0
+        embeds = seq.req.embeds if tokens and start < len(seq.req.prompt_ids) else ()
         row = Row(tokens, start, seq.pages, spec, seq.req.capture_hidden, from_pick,
-                  len(seq.req.prompt_ids), max(verify, 0), seq.req.adapter)
+                  len(seq.req.prompt_ids), max(verify, 0), seq.req.adapter, embeds)
         seq.computed = row.end
         if pick:
             seq.pending += 1

@@ -1,0 +1,126 @@
+"""LLaVA directories (CLIP and SigLIP towers, Llama and Qwen2 text models): the vision
+tower's embeddings, the logits of prompts with one and two images and greedy tokens against
+transformers' own model, all float32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from vlm_fixtures import IMAGE_SIZE, IMAGE_TOKEN_ID, build_llava
+
+from llm_runner_svc.engines.base import EnginePlan
+from llm_runner_svc.engines.batch import Batch, EmbedSpan, Row
+from llm_runner_svc.engines.numpy_engine import NumpyEngine
+from llm_runner_svc.engines.numpy_vision import NumpyVision
+from llm_runner_svc.models import load_model
+from llm_runner_svc.models.vision import image_starts
+from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
+
+CASES = [("clip", "llama"), ("siglip", "qwen2")]
+TOL = 1e-4
+
+
+def _pixels(num: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(num, 3, IMAGE_SIZE, IMAGE_SIZE)).astype(
+        np.float32)
+
+
+def _prompt(model: Any, num_images: int) -> list[int]:
+    """<s> text <image>*n text [<image>*n text]: placeholders expanded as the processor does."""
+    tok, n = model.tokenizer, model.vision.config.tokens_per_image
+    ids = [0, *tok.encode("Describe the image.", add_bos=False)]
+    for i in range(num_images):
+        ids += [IMAGE_TOKEN_ID] * n + tok.encode(f" picture {i} has a cat", add_bos=False)
+    return ids
+
+
+def _theirs(tm: Any, ids: list[int], pixels: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        out = tm(input_ids=torch.tensor([ids]), pixel_values=torch.from_numpy(pixels))
+    return out.logits[0].numpy()
+
+
+def _close(ours: np.ndarray, theirs: np.ndarray, what: str) -> None:
+    scale = float(np.abs(theirs).max())
+    np.testing.assert_allclose(ours, theirs, rtol=TOL, atol=TOL * scale, err_msg=what)
+
+
+@pytest.fixture(params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def llava(request: Any, tmp_path: Path) -> tuple[Any, Any, str]:
+    tower, text = request.param
+    tm = build_llava(tmp_path / "llava", tower, text)
+    return load_model(tmp_path / "llava"), tm, tower
+
+
+def test_vision_embeddings_match(llava: tuple[Any, Any, str]) -> None:
+    model, tm, tower = llava
+    vc = model.vision.config
+    assert vc.tower == f"{tower}_vision_model"
+    assert vc.tokens_per_image == (IMAGE_SIZE // 4) ** 2
+    pixels = _pixels(2)
+    ours = NumpyVision(vc, model.vision.weights).encode(pixels)
+    with torch.no_grad():
+        theirs = tm.get_image_features(pixel_values=torch.from_numpy(pixels)).pooler_output
+    theirs = np.stack([t.numpy() for t in theirs])
+    assert ours.shape == theirs.shape == (2, vc.tokens_per_image, model.config.hidden_size)
+    _close(ours, theirs, "image features")
+
+
+@pytest.mark.parametrize("num_images", [1, 2])
+@pytest.mark.parametrize("chunk", [256, 7])
+def test_prefill_logits_match(llava: tuple[Any, Any, str], num_images: int,
+                              chunk: int) -> None:
+    """Every position's logits of a prompt with images, prefilled in one pass or in chunks
+    that cut through an image."""
+    model, tm, _ = llava
+    vc = model.vision.config
+    ids = _prompt(model, num_images)
+    pixels = _pixels(num_images, seed=num_images)
+    feats = NumpyVision(vc, model.vision.weights).encode(pixels)
+    starts = image_starts(ids, IMAGE_TOKEN_ID, [vc.tokens_per_image] * num_images)
+    spans = tuple(EmbedSpan(s, f) for s, f in zip(starts, feats, strict=True))
+    theirs = _theirs(tm, ids, pixels)
+    engine = NumpyEngine(model.config, model.weights)
+    engine.preallocate(EnginePlan(max_batch=1, max_seq=128, page_size=8, num_pages=16,
+                                  prefill_chunk=chunk))
+    pages = list(range(15, -1, -1))
+    ours = []
+    for pos in range(len(ids)):  # one row per position: each position's own logits
+        row = Row(tuple(ids[pos:pos + 1]) if pos else tuple(ids[:1]), pos, pages, embeds=spans)
+        engine.read(engine.launch(Batch((row,), keep_logits=True)))
+        ours.append(engine.logits(1)[0].copy())
+    _close(np.stack(ours), theirs, "per-position logits")
+    # the whole prompt as one row (passes of `chunk`), over the KV the rows above wrote
+    engine.read(engine.launch(Batch((Row(tuple(ids), 0, pages, embeds=spans),),
+                                    keep_logits=True)))
+    _close(engine.logits(1)[0], theirs[-1], "prefill of the whole prompt")
+    engine.close()
+
+
+@pytest.mark.parametrize("num_images", [1, 2])
+def test_greedy_tokens_match(llava: tuple[Any, Any, str], num_images: int) -> None:
+    model, tm, _ = llava
+    vc = model.vision.config
+    ids = _prompt(model, num_images)
+    pixels = _pixels(num_images, seed=10 + num_images)
+    feats = NumpyVision(vc, model.vision.weights).encode(pixels)
+    starts = image_starts(ids, IMAGE_TOKEN_ID, [vc.tokens_per_image] * num_images)
+    ref: list[int] = []  # transformers' greedy choice, each from a full forward
+    for _ in range(12):
+        ref.append(int(np.argmax(_theirs(tm, ids + ref, pixels)[-1])))
+    rt = InferenceRuntime(NumpyEngine(model.config, model.weights), model.tokenizer,
+                          RuntimeConfig(max_batch=2, max_seq=128, page_size=8,
+                                        max_tokens_per_step=16))
+    rt.preallocate()
+    req = GenerationRequest("r", ids, resolve(rt.config.sampling, temperature=0.0,
+                                              max_new_tokens=12),
+                            ignore_eos=True,
+                            embeds=tuple(EmbedSpan(s, f) for s, f in zip(starts, feats,
+                                                                         strict=True)))
+    ours = [t for ev in rt.generate(req) for t in ev.token_ids]
+    rt.close()
+    assert ours == ref
