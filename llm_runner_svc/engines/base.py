@@ -25,6 +25,7 @@ from typing import Any
 
 from llm_runner_svc.engines.batch import (
     GREEDY_TEMPERATURE,
+    MAX_VERIFY,
     Batch,
     HiddenStates,
     Row,
@@ -174,6 +175,9 @@ def check_batch(config: ModelConfig, plan: EnginePlan, batch: Batch,
         if row.length == 0 or row.start < 0 or row.end > plan.max_seq:
             raise InvalidArgument(f"row of {row.length} tokens at {row.start} does not fit "
                                   f"maxSeq {plan.max_seq}")
+        if not 0 <= row.verify <= min(MAX_VERIFY, row.length - 1):
+            raise InvalidArgument(f"verify row of {row.length} tokens proposes {row.verify}; "
+                                  f"at most {MAX_VERIFY} and fewer than its tokens")
         if len(row.pages) * plan.page_size < row.end:
             raise InvalidArgument(f"row up to position {row.end - 1} has only "
                                   f"{len(row.pages)} pages")

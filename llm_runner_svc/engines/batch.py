@@ -4,9 +4,13 @@ A row is one request's part of a step: a prefill chunk (several prompt tokens), 
 (one token), or the tokens a preempted request recomputes. A row with a `sample` spec ends
 with its last position's logits in the engine's logits row of the same index and a pick from
 them; with `Batch.keep_logits`, every row's last logits are left there. A verify row
-(`Row.verify` = K > 0, speculative decoding) also needs the greedy pick after each of the K
-positions before its last: its tokens are the last accepted token and K proposed ones, and
-the engine returns K + 1 greedy picks so the runtime can accept the longest matching prefix.
+(`Row.verify` = K > 0, speculative decoding) also needs the target's pick after each of the
+K positions before its last: its tokens are the last accepted token and K proposed ones, and
+the engine returns K + 1 picks so the runtime can accept the longest prefix of the proposal
+they match, then the first pick that differs. Greedy rows pick the argmax at each position;
+sampled ones (`Row.verify_samples`) keep the proposed token with probability p(token) and
+otherwise draw from p without it (speculative sampling, engines/numpy_sampling.py
+`verify_picks`), so the tokens a row yields are distributed as plain sampling's.
 Pure Python: the runtime builds batches without a tensor library.
 """
 
@@ -17,17 +21,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GREEDY_TEMPERATURE = 1e-3
+MAX_VERIFY = 16  # proposed tokens one verify row may hold
 
 
 @dataclass(frozen=True)
 class SampleSpec:
-    """How to pick one row's next token. `uniform` is the row's random draw in [0, 1)."""
+    """How to pick one row's next token. `uniform` is the row's random draw in [0, 1);
+    `accept_uniform` a second one, for the acceptance test of a proposed token there
+    (speculative sampling)."""
 
     temperature: float
     top_k: int  # 0 = whole vocabulary
     top_p: float
     uniform: float = 0.0
     logit_bias: Mapping[int, float] | None = None
+    accept_uniform: float = 0.0
     is_greedy: bool = field(init=False, repr=False, compare=False)  # read on every step
 
     def __post_init__(self) -> None:
@@ -77,10 +85,12 @@ class Row:
     capture_hidden: bool = False
     from_pick: int | None = None
     prompt_end: int | None = None
-    verify: int = 0  # trailing proposed tokens: greedy picks after each of the K positions
+    verify: int = 0  # trailing proposed tokens: picks after each of the K positions
     # before the last too (StepOutput.verified); such a row is never cut across passes
     adapter: int = 0  # the engine's LoRA adapter this row runs with; 0 = the base model
     embeds: Sequence[EmbedSpan] = ()  # input embeddings replacing the tokens' own
+    verify_samples: tuple[SampleSpec, ...] = ()  # sampled verify rows: the spec of each of
+    # those K picks (the one after the last position is `sample`); empty = greedy
 
     @property
     def length(self) -> int:
@@ -110,8 +120,8 @@ class StepOutput:
 
     picks: Sequence[int | None]
     hidden: Sequence[HiddenStates | None]
-    verified: Sequence[Sequence[int] | None] = ()  # per row with `verify` = K: the greedy
-    # picks after positions end-1-K .. end-2 (K of them; the pick after end-1 is in `picks`)
+    verified: Sequence[Sequence[int] | None] = ()  # per row with `verify` = K: the picks
+    # after positions end-1-K .. end-2 (K of them; the pick after end-1 is in `picks`)
 
 
 @dataclass

@@ -3,10 +3,11 @@
 `launch` checks the batch, resolves rows that feed the previous forward's picks, cuts the
 rows into passes of at most `plan.max_tokens` tokens (`batch.split_passes`), gathers each
 row's captured states across passes and samples the rows that ask for a pick. A subclass
-implements only `_run(pass)` (a segment with `verify` also leaves its greedy picks in
-`_verified`). Everything runs inside `launch`, so `read` has nothing left to
-wait for. The single-request calls (`prefill`, `decode`, `sample`, `logits`) are one-row or
-one-token batches (Engine), kept for tools and engine-level tests.
+implements only `_run(pass)` (a segment with `verify` also leaves the logits of its K
+positions before the last in `_verified`, which `launch` turns into picks). Everything runs
+inside `launch`, so `read` has nothing left to wait for. The single-request calls
+(`prefill`, `decode`, `sample`, `logits`) are one-row or one-token batches (Engine), kept
+for tools and engine-level tests.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from llm_runner_svc.engines.base import (
     resolve_tokens,
 )
 from llm_runner_svc.engines.batch import Batch, Pass, Row, StepOutput, split_passes
-from llm_runner_svc.engines.numpy_sampling import apply_logit_bias, sample_rows
+from llm_runner_svc.engines.numpy_sampling import apply_logit_bias, sample_rows, verify_picks
 from llm_runner_svc.errors import FailedPrecondition
 
 
@@ -57,7 +58,7 @@ class BatchedEngine(Engine):
     _logits: np.ndarray
     _last_picks: Sequence[int | None] | None = None
     supports_verify = True
-    _verified: dict[int, list[int]]  # batch row -> greedy picks of its verify positions
+    _verified: dict[int, np.ndarray]  # batch row -> [K, vocab] logits of its verify positions
     _row_adapters: Sequence[int] = ()  # the launching batch's, per row
 
     @abstractmethod
@@ -94,7 +95,9 @@ class BatchedEngine(Engine):
             for i, tok in zip(chosen, sample_rows(logits, specs), strict=True):  # type: ignore[arg-type]
                 picks[i] = tok
         self._last_picks = picks
-        verified = [self._verified.get(i) if r.verify else None for i, r in enumerate(rows)]
+        verified = [verify_picks(self._verified[i], r.verify_samples or (r.sample,) * r.verify,
+                                 r.tokens[1:]) if r.verify and r.sample is not None else None
+                    for i, r in enumerate(rows)]
         return StepOutput(picks, hidden, verified)
 
     def read(self, handle: StepOutput) -> StepOutput:

@@ -263,14 +263,15 @@ class NumpyEngine(BatchedEngine):
 
     def _verify_heads(self, segs: list[Segment], at: np.ndarray) -> None:
         """Verify rows: the head over their last K + 1 positions in one product (the head
-        is read once); greedy picks of the first K, the last one's logits as usual."""
+        is read once); the logits of the first K kept for their picks, the last one's as
+        usual."""
         for i, s in enumerate(segs):
             if s.verify and s.wants_logits:  # a verify row is never cut across passes
                 end = int(at[i + 1])
                 h = rms_norm(self._x[end - 1 - s.verify:end], self._final_norm,
                              self.config.rms_eps)
                 logits = h @ self._lm_head_t  # [K + 1, vocab]
-                self._verified[s.row] = [int(t) for t in np.argmax(logits[:-1], axis=1)]
+                self._verified[s.row] = logits[:-1]
                 self._logits[s.row] = logits[-1]
 
     # ---- internals -------------------------------------------------------------------

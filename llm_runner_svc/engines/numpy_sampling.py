@@ -42,6 +42,17 @@ def sample_rows(logits: np.ndarray, specs: Sequence[SampleSpec]) -> list[int]:
 
 def _sample_one(row: np.ndarray, spec: SampleSpec) -> int:
     """Temperature, then top-k, then top-p (nucleus) over the survivors, then one draw."""
+    cand, cum = _nucleus(row, spec)
+    keep = cand.shape[0]
+    target = spec.uniform * cum[keep - 1]
+    pick = int(np.searchsorted(cum, target, side="right"))
+    return int(cand[min(pick, keep - 1)])
+
+
+def _nucleus(row: np.ndarray, spec: SampleSpec) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens sampling may pick from `row` (temperature, top-k, then the smallest
+    prefix whose mass reaches top-p), most likely first, and the running sum of their
+    unnormalised probabilities (float64)."""
     vocab = row.shape[0]
     k = spec.top_k if 0 < spec.top_k < vocab else vocab
     # [k] ids of the k largest
@@ -60,6 +71,41 @@ def _sample_one(row: np.ndarray, spec: SampleSpec) -> int:
         keep = min(keep, cand.shape[0])
     else:
         keep = cand.shape[0]
-    target = spec.uniform * cum[keep - 1]
-    pick = int(np.searchsorted(cum[:keep], target, side="right"))
-    return int(cand[min(pick, keep - 1)])
+    return cand[:keep], cum[:keep]
+
+
+def verify_picks(logits: np.ndarray, specs: Sequence[SampleSpec],
+                 proposed: Sequence[int]) -> list[int]:
+    """The target's pick at each position of a verify row, given the token proposed there:
+    logits [K, vocab] float32, one spec and one proposed token per position. Greedy: the
+    argmax. Sampled (speculative sampling with a proposer that proposes one token, q its
+    point mass): the proposed token when the spec's `accept_uniform` < p(proposed), else a
+    draw from p without it, renormalised (`rejection_pick`). Either way the accepted tokens
+    are the longest prefix of picks equal to the proposal, then the first pick that is not."""
+    if specs[0].is_greedy:
+        return [int(t) for t in np.argmax(logits, axis=1)]
+    out = []
+    for row, spec, token in zip(logits, specs, proposed, strict=True):
+        cand, cum = _nucleus(row, spec)
+        p = np.diff(cum, prepend=0.0) / cum[-1]  # [keep] float64
+        q = (cand == token).astype(np.float64)
+        out.append(int(cand[rejection_pick(p, q, int(np.argmax(q)) if q.any() else -1,
+                                           spec.accept_uniform, spec.uniform)]))
+    return out
+
+
+def rejection_pick(p: np.ndarray, q: np.ndarray, proposed: int, accept_uniform: float,
+                   uniform: float) -> int:
+    """Speculative sampling's rule at one position: p and q [n] float64 the target's and the
+    proposer's distributions over the same n tokens, `proposed` the index the proposer drew
+    (-1: a token outside the n, which p gives no mass). Accept it with probability
+    min(1, p/q) (`accept_uniform` < p/q), else draw from max(0, p - q) renormalised with
+    `uniform`. The pick is then distributed as p, whatever q is."""
+    if proposed >= 0 and accept_uniform * q[proposed] < p[proposed]:
+        return proposed
+    residual = np.maximum(p - q, 0.0)
+    cum = np.cumsum(residual)
+    if cum[-1] <= 0.0:  # p == q: a rejection cannot happen; numerically, take p
+        cum = np.cumsum(p)
+    pick = int(np.searchsorted(cum, uniform * cum[-1], side="right"))
+    return min(pick, p.shape[0] - 1)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from llm_runner_svc.engines.base import EnginePlan, check_hidden_layer, is_same_plan
+from llm_runner_svc.engines.batch import MAX_VERIFY
 from llm_runner_svc.engines.torch_forward import Forward, has_float32_products
 from llm_runner_svc.engines.torch_graphs import (
     DecodeGraphs,
@@ -184,7 +185,11 @@ class TorchEngine(TorchSteps):
                         capture_hidden=plan.hidden_layer is not None, pad_dest=plan.max_batch)
                     self.prefill_graphs.capture()
         self.picks = Picks(self.state.logits, self.state.next_ids, pass_tokens(plan))
-        self._bytes += self.picks.nbytes
+        self.verify_logits = torch.zeros((MAX_VERIFY, c.vocab_size), dtype=torch.float32,
+                                         device=self.device)
+        self.verify_ids = torch.zeros((plan.max_batch, MAX_VERIFY), dtype=torch.int64,
+                                      device=self.device)
+        self._bytes += self.picks.nbytes + self.verify_logits.nbytes + self.verify_ids.nbytes
         self._last_sampled: tuple[bool, ...] = ()  # which rows of the last forward picked
 
     def close(self) -> None:
@@ -194,7 +199,7 @@ class TorchEngine(TorchSteps):
             if graphs is not None:
                 graphs.close()
         for name in ("graphs", "prefill_graphs", "stager", "prefill_stager", "forward", "picks",
-                     "state"):
+                     "verify_logits", "verify_ids", "state"):
             delattr(self, name)
         self._plan = None
         self._bytes = 0

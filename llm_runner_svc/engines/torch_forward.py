@@ -183,10 +183,11 @@ class Forward:
             self.s.cap_state[:n].copy_(x)
 
     def head(self, x: torch.Tensor, fused: Callable[[torch.Tensor, int], bool],
-             first: int = 0) -> None:
-        """Logits rows first .. first+n-1 from residual rows x [n, hidden] float32."""
+             first: int = 0, out: torch.Tensor | None = None) -> None:
+        """Logits rows first .. first+n-1 from residual rows x [n, hidden] float32 (or into
+        `out` [n, vocab] float32)."""
         n = x.shape[0]
-        logits = self.s.logits[first:first + n]
+        logits = self.s.logits[first:first + n] if out is None else out
         if fused(self.weights.lm_head, STORE):
             assert self.products is not None
             self.products.norm_product(x, self.weights.final_norm, self.weights.lm_head, None,

@@ -7,6 +7,12 @@ decode step and the rest as prefill passes (a captured graph per token bucket fo
 passes, eager otherwise); each prefill row's last residual goes to its batch row of `x_last`
 and one head gives their logits. A step's one host synchronisation is the copy of its picks,
 made in `read` after the next step is launched (torch_picks.py).
+
+A verify row (speculative decoding: the last accepted token and K proposed ones) runs with
+the prefill rows, from a captured prefill graph for a short pass on CUDA; right after its
+pass the head turns the residuals of its K positions before the last into logits, greedy
+rows take their argmax on the device (copied out in `read`), sampled ones are picked on the
+host by the rejection rule (numpy_sampling.py `verify_picks`).
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from llm_runner_svc.engines.base import (
     SampleSpec,
     check_batch,
 )
-from llm_runner_svc.engines.batch import Batch, Row, StepOutput, split_passes
+from llm_runner_svc.engines.batch import Batch, Pass, Row, StepOutput, split_passes
 from llm_runner_svc.engines.batched import CapturedStates
+from llm_runner_svc.engines.numpy_sampling import verify_picks
 from llm_runner_svc.engines.torch_forward import Forward
 from llm_runner_svc.engines.torch_graphs import DecodeGraphs, InputStager, PrefillGraphs
 from llm_runner_svc.engines.torch_lora import TorchGroups
@@ -46,6 +53,8 @@ class Launched:
     picks: Started
     sampled: tuple[bool, ...]
     hidden: list[HiddenStates | None]
+    verified: list[list[int] | None]  # per row: picks of its verify positions, when known
+    on_device: tuple[tuple[int, int], ...] = ()  # (row, K): greedy picks in `verify_ids`
 
 
 def _token(row: Row, i: int) -> int:
@@ -65,8 +74,11 @@ class TorchSteps(Engine):
     graphs: DecodeGraphs | None
     prefill_graphs: PrefillGraphs | None
     picks: Picks
+    verify_logits: torch.Tensor  # [MAX_VERIFY, vocab] float32 one verify row's logits
+    verify_ids: torch.Tensor  # [max_batch, MAX_VERIFY] int64 greedy picks of verify rows
     _plan: EnginePlan | None
     _last_sampled: tuple[bool, ...]
+    supports_verify = True
 
     def _need_plan(self) -> EnginePlan:
         if self._plan is None:
@@ -98,6 +110,8 @@ class TorchSteps(Engine):
             d = 0
         decodes = rows[:d]
         hidden: list[HiddenStates | None] = [None] * n
+        self._verified: list[list[int] | None] = [None] * n
+        self._on_device: list[tuple[int, int]] = []
         bucket = self._stage_decode(decodes, feeds) if d else 0
         if d < n:  # before the decode: its picks overwrite those this part may feed on
             hidden[d:] = self._prefill(rows[d:], d, feeds)
@@ -108,13 +122,18 @@ class TorchSteps(Engine):
         specs = [r.sample or _PLACEHOLDER for r in rows]
         self._last_sampled = tuple(r.sample is not None for r in rows)
         return Launched(self.picks.start(specs, has_argmax=d == n), self._last_sampled,
-                        hidden)
+                        hidden, self._verified, tuple(self._on_device))
 
     def read(self, handle: Launched) -> StepOutput:
         picks = self.picks.wait(handle.picks)
+        verified = list(handle.verified)
+        if handle.on_device:  # the speculative step's read is waited for anyway
+            ids = self.verify_ids.cpu().tolist()
+            for i, k in handle.on_device:
+                verified[i] = ids[i][:k]
         return StepOutput([p if wanted else None
                            for p, wanted in zip(picks, handle.sampled, strict=True)],
-                          handle.hidden)
+                          handle.hidden, verified)
 
     def _stage_decode(self, rows: Sequence[Row], feeds: bool) -> int:
         """Stage one-token rows for the decode step; returns its bucket."""
@@ -170,10 +189,30 @@ class TorchSteps(Engine):
                 graphs.replay(bucket)
             else:
                 self.forward.prefill(layout, capture and p.capture, lora)
+            self._verify_heads(p, rows, first)
             if capture and p.capture:
                 caps.add(p, _host_copy(s.cap_emb[:p.num_tokens]),
                          _host_copy(s.cap_state[:p.num_tokens]))
         return caps.joined() if capture else [None] * len(rows)
+
+    def _verify_heads(self, p: Pass, rows: Sequence[Row], first: int) -> None:
+        """The picks of the verify rows that pass `p` ran (batch rows first ..), from the
+        residuals of their K positions before the last, before the next pass overwrites
+        them (a verify row is never cut across passes)."""
+        for seg in p.segments:
+            row = rows[seg.row]
+            if not (row.verify and seg.is_last and row.sample is not None):
+                continue
+            k = row.verify
+            lo = seg.offset + len(seg.tokens) - 1 - k
+            logits = self.verify_logits[:k]
+            self.forward.head(self.state.x[lo:lo + k], self.forward.fuses(k, False), out=logits)
+            if row.sample.is_greedy:
+                torch.argmax(logits, dim=-1, out=self.verify_ids[first + seg.row, :k])
+                self._on_device.append((first + seg.row, k))
+            else:
+                self._verified[first + seg.row] = verify_picks(
+                    _host_copy(logits), row.verify_samples, row.tokens[1:])
 
     def _lora_groups(self, rows: Sequence[Row], lengths: Sequence[int]) -> TorchGroups:
         """A forward's rows by LoRA adapter: `rows` (one per stretch of `lengths`)."""

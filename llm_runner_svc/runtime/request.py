@@ -12,7 +12,7 @@ from llm_runner_svc.engines.base import HiddenStates, SampleSpec
 from llm_runner_svc.engines.batch import EmbedSpan
 from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.models.tokenizer import StreamDecoder
-from llm_runner_svc.runtime.sampling import SamplingParams, uniform_draw
+from llm_runner_svc.runtime.sampling import SamplingParams, accept_draw, uniform_draw
 from llm_runner_svc.runtime.stops import StopMatcher
 from services.stage.ending import FinishReason  # the contract's reasons, shared with stages
 
@@ -159,14 +159,16 @@ class SequenceState:
         self.error = error
         return True
 
-    def spec(self, index: int) -> SampleSpec:
-        """How to pick output token `index`. A greedy pick uses no draw, so a greedy
-        request's spec is the same every step: built once."""
+    def spec(self, index: int, is_proposed: bool = False) -> SampleSpec:
+        """How to pick output token `index`; `is_proposed`: a proposed token stands there
+        (a verify row), whose acceptance takes a draw too. A greedy pick uses no draw, so a
+        greedy request's spec is the same every step: built once."""
         if self.greedy_spec is not None:
             return self.greedy_spec
         sp = self.req.sampling
         spec = SampleSpec(sp.temperature, sp.top_k, sp.top_p, uniform_draw(sp.seed, index),
-                          sp.logit_bias or None)
+                          sp.logit_bias or None,
+                          accept_draw(sp.seed, index) if is_proposed else 0.0)
         if spec.is_greedy:
             self.greedy_spec = spec
         return spec

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from llm_runner_svc.engines.base import GREEDY_TEMPERATURE, Engine, EnginePlan
+from llm_runner_svc.engines.base import Engine, EnginePlan
 from llm_runner_svc.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -58,7 +58,7 @@ class InferenceRuntime(SequenceAdvance):
             hidden_layer=config.hidden_layer, step_tokens=self.step_tokens)
         if config.spec is not None and not engine.supports_verify:
             raise InvalidArgument(f"spec_decode: engine {engine.name} does not verify "
-                                  "proposals (engines that do: numpy)")
+                                  "proposals (engines that do: numpy, torch)")
         if config.spec is not None and config.hidden_layer is not None:
             raise InvalidArgument("spec_decode and a hidden port (accept_hidden_layer) "
                                   "exclude each other: a speculative build emits no hidden "
@@ -183,11 +183,12 @@ class InferenceRuntime(SequenceAdvance):
             self.scheduler.add(seq)
 
     def _speculates(self, req: GenerationRequest) -> bool:
-        """Speculative decoding serves greedy requests without logit bias (their output is
-        then exactly plain greedy decoding); the others decode plainly."""
-        sp = req.sampling
+        """Speculative decoding serves requests without logit bias: greedy ones yield
+        exactly plain greedy decoding's tokens, sampled ones tokens distributed as plain
+        sampling's (rejection sampling); the others, and those that opt out, decode
+        plainly."""
         return self.config.spec is not None and not req.disable_spec_decode and \
-            (sp.temperature < GREEDY_TEMPERATURE or sp.top_k == 1) and not sp.logit_bias
+            not req.sampling.logit_bias
 
     def cancel(self, request_id: str) -> bool:
         """Ask for `request_id` to end as cancelled at the top of the next step."""

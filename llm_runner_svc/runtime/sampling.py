@@ -85,3 +85,12 @@ def uniform_draw(seed: int, step: int) -> float:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     z ^= z >> 31
     return (z >> 11) * (1.0 / (1 << 53))
+
+
+ACCEPT_STREAM = 1 << 48  # counters of the acceptance draws start here, apart from the picks'
+
+
+def accept_draw(seed: int, step: int) -> float:
+    """The uniform that decides whether a proposed output token `step` is accepted
+    (speculative sampling): a draw of its own, independent of the pick's `uniform_draw`."""
+    return uniform_draw(seed, ACCEPT_STREAM + step)

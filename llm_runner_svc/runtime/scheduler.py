@@ -222,12 +222,16 @@ class Scheduler:
     def _plan_row(self, seq: SequenceState, plan: Planned, tokens: tuple[int, ...],
                   from_pick: int | None, pick: bool) -> None:
         start = seq.computed
-        spec = seq.spec(len(seq.output_ids) + seq.pending) if pick else None
+        index = len(seq.output_ids) + seq.pending  # of the row's first output token
         verify = len(tokens) - 1 if seq.proposer is not None and seq.status is \
             SeqStatus.DECODING else 0
+        verify = max(verify, 0)
+        spec = seq.spec(index + verify) if pick else None
+        samples = () if spec is None or spec.is_greedy else \
+            tuple(seq.spec(index + j, is_proposed=True) for j in range(verify))
         embeds = seq.req.embeds if tokens and start < len(seq.req.prompt_ids) else ()
         row = Row(tokens, start, seq.pages, spec, seq.req.capture_hidden, from_pick,
-                  len(seq.req.prompt_ids), max(verify, 0), seq.req.adapter, embeds)
+                  len(seq.req.prompt_ids), verify, seq.req.adapter, embeds, samples)
         seq.computed = row.end
         if pick:
             seq.pending += 1

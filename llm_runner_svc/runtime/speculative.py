@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from llm_runner_svc.engines.batch import MAX_VERIFY
 from llm_runner_svc.errors import InvalidArgument
 
 METHODS = ("ngram",)
@@ -35,9 +36,9 @@ class SpecConfig:
         if self.method not in METHODS:
             raise InvalidArgument(f"spec_decode.method must be one of {', '.join(METHODS)}, "
                                   f"got {self.method!r}")
-        if not 1 <= self.proposal_tokens <= 16:
-            raise InvalidArgument(
-                f"spec_decode.proposal_tokens must be in 1..16, got {self.proposal_tokens}")
+        if not 1 <= self.proposal_tokens <= MAX_VERIFY:
+            raise InvalidArgument(f"spec_decode.proposal_tokens must be in 1..{MAX_VERIFY}, "
+                                  f"got {self.proposal_tokens}")
         if not 1 <= self.min_proposal <= self.proposal_tokens:
             raise InvalidArgument(f"spec_decode.dspark_min_proposal_len must be in "
                                   f"1..{self.proposal_tokens}, got {self.min_proposal}")

@@ -1,17 +1,38 @@
-"""Speculative decoding (ngram prompt lookup) on the numpy engine: greedy output is exactly
-plain greedy decoding, alone and beside plain requests, under stop strings, length limits,
-cancellation and preemption, and every page goes back to the pool."""
+"""Speculative decoding on the numpy and torch (CPU) engines: greedy output is exactly plain
+greedy decoding, alone and beside plain requests, under stop strings, length limits,
+cancellation and preemption, and every page goes back to the pool; sampled output is
+distributed as plain sampling's."""
 
 from __future__ import annotations
 
 import pytest
 from helpers import make_runtime
 
+from llm_runner_svc.engines import create_engine
 from llm_runner_svc.errors import InvalidArgument
-from llm_runner_svc.runtime import FinishReason, GenerationRequest, SpecConfig, resolve
+from llm_runner_svc.runtime import (
+    FinishReason,
+    GenerationRequest,
+    InferenceRuntime,
+    RuntimeConfig,
+    SpecConfig,
+    resolve,
+)
 from llm_runner_svc.runtime.speculative import NgramProposer, accept_greedy
 
 PROMPTS = ("Lily and Tom went to the park. Lily and Tom", "The cat sat", "Once upon a time")
+ENGINES = ("numpy", "torch")
+
+
+def _runtime(model, engine: str = "numpy", **cfg) -> InferenceRuntime:
+    """A preallocated runtime on `engine` (torch: float32 on the CPU)."""
+    if engine == "numpy":
+        return make_runtime(model, **cfg)
+    pytest.importorskip("torch")
+    rt = InferenceRuntime(create_engine(engine, model.config, model.weights, device="cpu"),
+                          model.tokenizer, RuntimeConfig(**cfg))
+    rt.preallocate()
+    return rt
 
 
 def test_ngram_proposes_what_followed_the_latest_match():
@@ -43,9 +64,9 @@ def _requests(stories, rt, **kw):
             for i, p in enumerate(PROMPTS)]
 
 
-def _run(stories, spec, cancel_at=None, **kw):
-    rt = make_runtime(stories, max_batch=kw.pop("max_batch", 4), max_seq=512, spec=spec,
-                      **{k: kw.pop(k) for k in ("kv_memory_bytes", "page_size") if k in kw})
+def _run(stories, spec, cancel_at=None, engine="numpy", **kw):
+    rt = _runtime(stories, engine, max_batch=kw.pop("max_batch", 4), max_seq=512, spec=spec,
+                  **{k: kw.pop(k) for k in ("kv_memory_bytes", "page_size") if k in kw})
     try:
         for req in _requests(stories, rt, **kw):
             rt.submit(req)
@@ -66,9 +87,10 @@ def _run(stories, spec, cancel_at=None, **kw):
         rt.close()
 
 
-def test_stories260k_golden_with_ngram(stories, goldens):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_stories260k_golden_with_ngram(stories, goldens, engine):
     case = goldens["cases"][0]
-    rt = make_runtime(stories, max_batch=1, max_seq=512, spec=SpecConfig(proposal_tokens=4))
+    rt = _runtime(stories, engine, max_batch=1, max_seq=512, spec=SpecConfig(proposal_tokens=4))
     try:
         req = GenerationRequest("g", case["prompt_token_ids"],
                                 resolve(rt.config.sampling, temperature=0.0,
@@ -86,10 +108,11 @@ def test_stories260k_golden_with_ngram(stories, goldens):
         rt.close()
 
 
-@pytest.mark.parametrize("k", [1, 3, 6])
-def test_mixed_batch_is_token_for_token_plain_greedy(stories, k):
-    plain, _, _ = _run(stories, None)
-    spec, ends, _ = _run(stories, SpecConfig(proposal_tokens=k), plain=(1,))
+@pytest.mark.parametrize(("engine", "k"), [("numpy", 1), ("numpy", 3), ("numpy", 6),
+                                           ("torch", 3)])
+def test_mixed_batch_is_token_for_token_plain_greedy(stories, engine, k):
+    plain, _, _ = _run(stories, None, engine=engine)
+    spec, ends, _ = _run(stories, SpecConfig(proposal_tokens=k), engine=engine, plain=(1,))
     assert spec == plain
     assert ends["r1"][1].proposed_tokens == 0  # decoded plainly
     assert ends["r0"][1].accepted_tokens > 0
@@ -158,3 +181,104 @@ def test_stage_counters_add_up_a_speculative_run():
         "proposed_tokens", "accepted_tokens", "target_steps", "verified_tokens")] == \
         [12.0, 6.0, 4.0, 9.0]
     assert m.acceptance_rate == 0.5 and m.tokens_per_target_step == 2.25
+
+
+# ---- speculative sampling --------------------------------------------------------------------
+
+def _chi_square(counts, probs) -> tuple[float, float]:
+    """Pearson's statistic of `counts` against `probs` (bins with an expected count under 5
+    pooled into one) and its critical value at significance 0.001 (Wilson-Hilferty)."""
+    n = sum(counts)
+    expected = [p * n for p in probs]
+    big = [i for i, e in enumerate(expected) if e >= 5]
+    rest = [i for i in range(len(probs)) if i not in big]
+    obs = [counts[i] for i in big] + ([sum(counts[i] for i in rest)] if rest else [])
+    exp = [expected[i] for i in big] + ([sum(expected[i] for i in rest)] if rest else [])
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True) if e > 0)
+    k = len(obs) - 1
+    z = 3.0902  # the standard normal's 0.999 quantile
+    return stat, k * (1 - 2 / (9 * k) + z * (2 / (9 * k)) ** 0.5) ** 3
+
+
+def test_rejection_rule_draws_from_the_target_whatever_the_proposer():
+    import numpy as np
+
+    from llm_runner_svc.engines.numpy_sampling import rejection_pick
+
+    rng = np.random.default_rng(7)
+    p = np.array([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])
+    q = np.array([0.40, 0.05, 0.25, 0.05, 0.15, 0.10])
+    draws = 20000
+    counts = [0] * 6
+    naive = [0] * 6  # always accepting: the proposer's distribution
+    cq = np.cumsum(q)
+    for a, u, d in rng.random((draws, 3)):
+        proposed = min(int(np.searchsorted(cq, d, side="right")), 5)
+        counts[rejection_pick(p, q, proposed, a, u)] += 1
+        naive[proposed] += 1
+    stat, crit = _chi_square(counts, p)
+    assert stat < crit
+    assert _chi_square(naive, p)[0] > crit  # the test tells the two apart
+
+
+def test_sampled_verify_picks_are_distributed_as_plain_sampling(stories):
+    """At each position of a verify row, the pick given the proposed token is distributed
+    as plain sampling's pick there (temperature, top-k and top-p applied alike)."""
+    import numpy as np
+
+    from llm_runner_svc.engines.batch import SampleSpec
+    from llm_runner_svc.engines.numpy_sampling import _nucleus, verify_picks
+
+    rt = make_runtime(stories, max_batch=1, max_seq=64)
+    try:
+        ids = stories.tokenizer.encode("Lily and Tom went to the park.", add_bos=True)
+        rt.engine.prefill(ids, 0, list(range(4)))
+        logits = rt.engine.logits(1)[0].copy()
+    finally:
+        rt.close()
+    spec = SampleSpec(1.5, 10, 0.98)
+    cand, cum = _nucleus(logits, spec)
+    p = np.diff(cum, prepend=0.0) / cum[-1]
+    assert cand.shape[0] >= 4  # several tokens in play
+    rng = np.random.default_rng(11)
+    for proposed in (int(cand[0]), int(cand[3]), int(np.argmin(logits))):
+        counts = dict.fromkeys(cand.tolist(), 0)
+        for a, u in rng.random((6000, 2)):
+            s = SampleSpec(1.5, 10, 0.98, uniform=float(u), accept_uniform=float(a))
+            counts[verify_picks(logits[None], [s], [proposed])[0]] += 1
+        stat, crit = _chi_square([counts[t] for t in cand.tolist()], p.tolist())
+        assert stat < crit, (proposed, stat, crit)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_sampled_speculation_runs_in_a_mixed_batch(stories, engine):
+    """Sampled requests speculate beside greedy and plain ones: greedy outputs stay plain
+    greedy, a seeded sampled request repeats itself, proposals get accepted and every
+    page comes back."""
+    def run(spec):
+        rt = _runtime(stories, engine, max_batch=4, max_seq=512, spec=spec)
+        try:
+            prompt = stories.tokenizer.encode(PROMPTS[0], add_bos=True)
+            for i, temp in enumerate((0.0, 0.7, 0.7, 1.0)):
+                rt.submit(GenerationRequest(f"r{i}", prompt, resolve(
+                    rt.config.sampling, temperature=temp, top_k=20, top_p=0.9, seed=5 + i % 2,
+                    max_new_tokens=60), ignore_eos=True, disable_spec_decode=i == 3))
+            got, metrics = {}, {}
+            while rt.has_work:
+                for ev in rt.step():
+                    got.setdefault(ev.request_id, []).extend(ev.token_ids)
+                    if ev.metrics is not None:
+                        metrics[ev.request_id] = ev.metrics
+            assert rt.pages.num_free == rt.pages.num_pages
+            return got, metrics
+        finally:
+            rt.close()
+
+    plain, _ = run(None)
+    first, m1 = run(SpecConfig(proposal_tokens=4))
+    again, _ = run(SpecConfig(proposal_tokens=4))
+    assert first == again
+    assert first["r0"] == plain["r0"] and first["r3"] == plain["r3"]
+    assert all(len(t) == 60 for t in first.values())
+    assert m1["r1"].proposed_tokens > 0 and m1["r1"].accepted_tokens > 0
+    assert m1["r3"].proposed_tokens == 0
