@@ -9,6 +9,7 @@ import logging
 import secrets
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 # Only light modules here (see cli_common): the engines, models and runtime are imported by
 # the functions that use them.
@@ -23,6 +24,9 @@ from llm_runner_svc.cli_common import (
 )
 from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.up_cli import add_up, run_up
+
+if TYPE_CHECKING:
+    from llm_runner_svc.runtime import SpecConfig
 
 PROG = "llm-runner"
 
@@ -68,22 +72,38 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="positions per request, prompt included (0 = the model's, at most 2048)")
     p.add_argument("--stop", action="append", default=[],
                    help="stop when this text appears (repeatable)")
-    p.add_argument("--spec", default=None, choices=("ngram",),
-                   help="speculative decoding of greedy output: ngram = prompt lookup")
+    p.add_argument("--spec", default=None, metavar="ngram|self:N|draft:PATH",
+                   help="speculative decoding: ngram = prompt lookup, self:N = the model's "
+                        "first N layers as the draft, draft:PATH = a small model with the "
+                        "same tokenizer")
     p.add_argument("--proposal-tokens", type=int, default=4,
                    help="tokens proposed per target step with --spec (default 4)")
     p.add_argument("--quiet", action="store_true",
                    help="no load progress bar and no metrics line")
 
 
+def parse_spec(value: str, proposal_tokens: int) -> SpecConfig:
+    """`--spec`: "ngram", "self:N" or "draft:PATH"."""
+    from llm_runner_svc.runtime import SpecConfig
+
+    method, _, arg = value.partition(":")
+    if method == "self" and arg.isdigit():
+        return SpecConfig("self", proposal_tokens, draft_layers=int(arg))
+    if method == "draft" and arg:
+        return SpecConfig("draft", proposal_tokens, draft_checkpoint=arg)
+    if value == "ngram":
+        return SpecConfig("ngram", proposal_tokens)
+    raise InvalidArgument(f"--spec {value!r}: ngram, self:N (N layers) or draft:PATH")
+
+
 def _generate(args: argparse.Namespace) -> int:
     from llm_runner_svc.engines import create_engine
+    from llm_runner_svc.engines.drafts import create_draft_engine
     from llm_runner_svc.models import load_model
     from llm_runner_svc.runtime import (
         GenerationRequest,
         InferenceRuntime,
         RuntimeConfig,
-        SpecConfig,
         resolve,
     )
 
@@ -100,9 +120,13 @@ def _generate(args: argparse.Namespace) -> int:
     if options and args.engine != "torch":
         raise InvalidArgument(f"--device needs --engine torch (got --engine {args.engine})")
     engine = create_engine(args.engine, model.config, model.weights, **options)
-    spec = None if args.spec is None else SpecConfig(args.spec, args.proposal_tokens)
+    spec = None if args.spec is None else parse_spec(args.spec, args.proposal_tokens)
+    draft = None if spec is None else create_draft_engine(
+        spec.method, args.engine, model, engine, spec.draft_layers, spec.draft_checkpoint,
+        **options)
     runtime = InferenceRuntime(engine, model.tokenizer,
-                               RuntimeConfig(max_batch=1, max_seq=args.max_seq, spec=spec))
+                               RuntimeConfig(max_batch=1, max_seq=args.max_seq, spec=spec),
+                               draft)
     runtime.preallocate()
     # Like vLLM and llama.cpp: without --seed every run samples differently, and the seed it
     # drew is printed so that run can be repeated with --seed.

@@ -48,6 +48,7 @@ def request_from_pb(slot_id: int, req_pb: pb.GenerationRequest) -> StageRequest:
         seed=s.seed if s.HasField("seed") else None,
         stop=tuple(req_pb.stop), logit_bias=dict(req_pb.logit_bias), lora=req_pb.lora,
         ports=tuple(req_pb.ports), num_media=len(req_pb.media), ignore_eos=req_pb.ignore_eos,
+        disable_spec_decode=req_pb.disable_spec_decode,
         cache_lookup=_policy(req_pb.context_cache_lookup_policy, pb.CacheLookupPolicy,
                              pb.CACHE_LOOKUP_POLICY_BYPASS),
         cache_generated=_policy(req_pb.context_cache_commit_policy, pb.CacheCommitPolicy,

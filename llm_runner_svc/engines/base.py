@@ -114,6 +114,11 @@ class Engine(ABC):
     def logits(self, num_rows: int) -> Any:
         """The float32 logits [num_rows, vocab] of the last forward; valid until the next one."""
 
+    def top_probabilities(self, num_rows: int) -> list[float]:
+        """The largest softmax probability of logits rows 0 .. num_rows-1 of the last
+        forward (a draft's confidence in its pick)."""
+        raise FailedPrecondition(f"engine {self.name} gives no probabilities")
+
     @abstractmethod
     def close(self) -> None:
         """Release every buffer. Idempotent."""

@@ -114,5 +114,9 @@ class BatchedEngine(Engine):
         self._checked_plan()
         return self._logits[:num_rows]
 
+    def top_probabilities(self, num_rows: int) -> list[float]:
+        logits = self.logits(num_rows).astype(np.float64)  # [rows, vocab]
+        return (1.0 / np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1)).tolist()
+
     def close(self) -> None:
         self._last_picks = None

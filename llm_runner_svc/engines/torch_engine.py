@@ -18,6 +18,7 @@ torch_steps.py. Hidden states stay staged on the device unless a row asked for t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -208,6 +209,16 @@ class TorchEngine(TorchSteps):
 
     def memory_bytes(self) -> int:
         return self._bytes
+
+    def first_layers(self, num_layers: int) -> TorchEngine:
+        """An engine of this one's first `num_layers` layers, its final norm and head, on
+        the same weight tensors (a layer-skip draft), with the same settings."""
+        weights = TorchWeights(self.weights.embedding, self.weights.lm_head,
+                               self.weights.final_norm, self.weights.layers[:num_layers])
+        return TorchEngine(replace(self.config, num_layers=num_layers), weights, self.device,
+                           "bfloat16" if self.dtype == torch.bfloat16 else "float32",
+                           self.kernels, self.fused_rows, self.fused_prefill_rows,
+                           self.mixed_steps, self.prefill_graph_tokens)
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.config.num_layers * self.config.kv_dim * self.dtype.itemsize

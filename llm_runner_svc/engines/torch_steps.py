@@ -227,6 +227,11 @@ class TorchSteps(Engine):
         self._need_plan()
         return _host_copy(self.state.logits[:num_rows])
 
+    def top_probabilities(self, num_rows: int) -> list[float]:
+        self._need_plan()
+        top: list[float] = torch.softmax(self.state.logits[:num_rows], dim=-1).amax(-1).tolist()
+        return top
+
 
 def _host_copy(t: torch.Tensor) -> np.ndarray:
     """A host array that owns its data (a CPU tensor's numpy view would alias a buffer).

@@ -101,6 +101,8 @@ class SequenceAdvance:
             tokens, end = ([] if pick is None else [pick]), row.end
             if row.verify and pick is not None:
                 tokens, end = self._verified(seq, row, [*(target or ()), pick])
+            if seq.proposer is not None and tokens:
+                seq.proposer.roll_back(seq, end)  # the draft's KV past the accepted tokens
             if seq.proposer is not None and tokens and row.start >= len(seq.req.prompt_ids):
                 seq.metrics.target_steps += 1  # a decode row: one target forward
                 seq.metrics.verified_tokens += len(tokens)

@@ -29,6 +29,7 @@ from llm_runner_svc.errors import (
 from llm_runner_svc.models.tokenizer import StreamDecoder, Tokenizer
 from llm_runner_svc.runtime.advance import Flight, SequenceAdvance
 from llm_runner_svc.runtime.config import RuntimeConfig
+from llm_runner_svc.runtime.drafting import DraftProposer
 from llm_runner_svc.runtime.kv import PagePool
 from llm_runner_svc.runtime.prefix_cache import PrefixCache
 from llm_runner_svc.runtime.request import (
@@ -38,7 +39,7 @@ from llm_runner_svc.runtime.request import (
     StepEvent,
 )
 from llm_runner_svc.runtime.scheduler import Scheduler
-from llm_runner_svc.runtime.speculative import create_proposer
+from llm_runner_svc.runtime.speculative import NgramProposer
 from llm_runner_svc.runtime.stops import StopMatcher
 
 
@@ -46,7 +47,10 @@ class InferenceRuntime(SequenceAdvance):
     """Admission, cancellation and each step's choice of who prefills and who decodes; the
     sequences themselves advance in `SequenceAdvance` (advance.py)."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig,
+                 draft: Engine | None = None) -> None:
+        """`draft`: the draft engine of spec_decode methods `self` and `draft` (with the
+        target's tokenizer; engines/drafts.py builds it)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
@@ -67,6 +71,7 @@ class InferenceRuntime(SequenceAdvance):
                 config.prefill_chunk, self.step_tokens):
             raise InvalidArgument("spec_decode.proposal_tokens must be below prefillChunk "
                                   "and the step's token budget")
+        self.proposer = self._create_proposer(draft)
         self.pages = PagePool(self.plan.num_pages, config.page_size)
         self.prefix_cache = PrefixCache(
             self.pages, f"{engine.name}|{engine.config!r}|{config.page_size}",
@@ -80,6 +85,19 @@ class InferenceRuntime(SequenceAdvance):
         self._cancels: set[str] = set()
         self._flight: Flight | None = None
         self._is_ready = False
+
+    def _create_proposer(self, draft: Engine | None) -> NgramProposer | DraftProposer | None:
+        spec = self.config.spec
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        if draft is None:
+            raise InvalidArgument(f"spec_decode method {spec.method!r} needs a draft engine")
+        if draft.config.vocab_size != self.engine.config.vocab_size:
+            raise InvalidArgument(f"the draft's vocabulary ({draft.config.vocab_size} tokens) "
+                                  f"is not the target's ({self.engine.config.vocab_size})")
+        return DraftProposer(draft, spec)
 
     def _pool_pages(self) -> int:
         """Pages in the KV pool: a share of the device's free memory, a byte budget, or
@@ -104,6 +122,8 @@ class InferenceRuntime(SequenceAdvance):
     def preallocate(self) -> None:
         """Claim the engine's buffers (KV pool, activations, logits, staging). Idempotent."""
         self.engine.preallocate(self.plan)
+        if self.proposer is not None:
+            self.proposer.preallocate(self.plan)
         self._is_ready = True
 
     def close(self) -> None:
@@ -112,6 +132,8 @@ class InferenceRuntime(SequenceAdvance):
             self.scheduler.clear()
             self._seqs.clear()
             self._flight = None
+        if self.proposer is not None:
+            self.proposer.close()
         self.engine.close()
         self._is_ready = False
 
@@ -176,9 +198,8 @@ class InferenceRuntime(SequenceAdvance):
                 req.prompt_ids[-1] == self.tokenizer.bos_id
             seq = SequenceState(req, StreamDecoder(self.tokenizer, after_bos),
                                 StopMatcher(req.stop))
-            spec = self.config.spec
-            if spec is not None and self._speculates(req):
-                seq.proposer = create_proposer(spec)
+            if self._speculates(req):
+                seq.proposer = self.proposer
             self._seqs[req.request_id] = seq
             self.scheduler.add(seq)
 

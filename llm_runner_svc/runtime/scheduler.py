@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Set
+from typing import Any
 
 from llm_runner_svc.engines.batch import HiddenStates, Row
 from llm_runner_svc.runtime.kv import PagePool
@@ -47,6 +48,7 @@ class Scheduler:
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self.launches = 0  # batches handed out; a pick is named by (launch, row)
+        self._proposed: dict[int, list[int]] = {}  # this step's proposals, by id(seq)
         self.preemptions = 0
         self._admitted = 0
 
@@ -62,10 +64,14 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         self._commit(seq, self.launches)
         self.pool.release(seq.pages)
+        if seq.proposer is not None:
+            seq.proposer.release(seq)
 
     def clear(self) -> None:
         for seq in (*self.running, *self.waiting):
             self.pool.release(seq.pages)
+            if seq.proposer is not None:
+                seq.proposer.release(seq)
         self.running.clear()
         self.waiting.clear()
         if self.cache is not None:
@@ -78,6 +84,7 @@ class Scheduler:
         plan: Planned = []
         budget = self.max_tokens
         preempted = self.preemptions
+        self._proposed = self._propose(held)
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -129,11 +136,31 @@ class Scheduler:
                 seq.req.sampling.max_new_tokens - index - 1, self.max_seq - seq.computed - 1)
         if k <= 0:
             return ()
-        proposal = tuple(seq.proposer.propose(seq.known, k))
+        proposal = tuple(self._proposed.get(id(seq), ())[:k])
         if len(proposal) < seq.proposer.config.min_proposal:
             return ()
         seq.metrics.proposed_tokens += len(proposal)
         return proposal
+
+    def _propose(self, held: Set[str]) -> dict[int, list[int]]:
+        """The proposals of every speculative request that decodes this step, asked of each
+        proposer at once (a draft model runs them as one batch per draft step), as long as
+        their length limits allow; `_proposal` cuts them to the budget and the pages."""
+        groups: dict[int, tuple[Any, list[SequenceState], list[int]]] = {}
+        for seq in self.running:
+            if seq.proposer is None or seq.status is not SeqStatus.DECODING or seq.pending \
+                    or not self._may_step(seq, held):
+                continue
+            k = min(seq.proposer.config.proposal_tokens, self.max_seq - seq.computed - 1,
+                    seq.req.sampling.max_new_tokens - len(seq.output_ids) - 1)
+            _, seqs, ks = groups.setdefault(id(seq.proposer), (seq.proposer, [], []))
+            seqs.append(seq)
+            ks.append(max(k, 0))
+        out: dict[int, list[int]] = {}
+        for proposer, seqs, ks in groups.values():
+            for seq, proposal in zip(seqs, proposer.propose_batch(seqs, ks), strict=True):
+                out[id(seq)] = proposal
+        return out
 
     def _chunk(self, seq: SequenceState, budget: int, plan: Planned) -> int:
         """The next prefill chunk of `seq`, cut to the budget and the free pages."""

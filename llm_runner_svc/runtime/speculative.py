@@ -7,35 +7,58 @@ prefix of the proposal the target agrees with plus the target's own next token (
 yields 1 .. K + 1 tokens and the output is exactly plain greedy decoding), and rolls the
 rejected positions back by not counting them as computed (their KV is overwritten later).
 
-Proposers are pure Python over the request's known tokens: `ngram` (prompt lookup) copies
-the tokens that followed the latest earlier occurrence of the context's last n-gram.
+`ngram` (prompt lookup) proposes in pure Python over the request's known tokens: it copies
+the tokens that followed the latest earlier occurrence of the context's last n-gram. The
+`self` and `draft` methods propose with a draft engine (drafting.py). A sampled request's
+verify row carries a spec per position and the engine picks by the rejection rule
+(engines/batch.py), so acceptance stays the longest matching prefix here too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from llm_runner_svc.engines.batch import MAX_VERIFY
 from llm_runner_svc.errors import InvalidArgument
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "self", "draft")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """How speculative requests propose (`spec_decode` of the runner config)."""
+    """How speculative requests propose (`spec_decode` of the runner config): `ngram`
+    (prompt lookup), `self` (the target's first `draft_layers` layers and its head) or
+    `draft` (the model at `draft_checkpoint`, same tokenizer)."""
 
     method: str = "ngram"
     proposal_tokens: int = 4  # K: proposed tokens per verify row
     ngram_max: int = 3  # the longest context suffix looked up (ngram)
     ngram_min: int = 1  # the shortest one tried before giving up (ngram)
     min_proposal: int = 1  # a shorter proposal is not verified (a plain decode row instead)
+    draft_layers: int = 0  # self: decoder layers the draft keeps
+    draft_checkpoint: str = ""  # draft: the draft model (a path or a built-in name)
+    confidence_threshold: float = 0.0  # a draft stops proposing when its top probability
+    # falls below this (dspark_scheduler "threshold"); 0 = always K tokens
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise InvalidArgument(f"spec_decode.method must be one of {', '.join(METHODS)}, "
                                   f"got {self.method!r}")
+        if (self.method == "self") != (self.draft_layers > 0):
+            raise InvalidArgument("spec_decode.draft_layers: method 'self' needs the number "
+                                  f"of layers its draft keeps (>= 1), got {self.draft_layers} "
+                                  f"with method {self.method!r}")
+        if (self.method == "draft") != bool(self.draft_checkpoint):
+            raise InvalidArgument("draft_checkpoint: method 'draft' needs one and the other "
+                                  f"methods take none (method {self.method!r})")
+        if not 0.0 <= self.confidence_threshold < 1.0:
+            raise InvalidArgument(f"spec_decode.dspark_confidence_threshold must be in [0, 1), "
+                                  f"got {self.confidence_threshold}")
+        if self.confidence_threshold and self.method == "ngram":
+            raise InvalidArgument("spec_decode.dspark_scheduler 'threshold': method 'ngram' "
+                                  "has no draft probabilities to threshold (use self or draft)")
         if not 1 <= self.proposal_tokens <= MAX_VERIFY:
             raise InvalidArgument(f"spec_decode.proposal_tokens must be in 1..{MAX_VERIFY}, "
                                   f"got {self.proposal_tokens}")
@@ -49,10 +72,27 @@ class SpecConfig:
 
 class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the last n tokens (n from
-    `ngram_max` down to `ngram_min`) and propose the tokens that followed it."""
+    `ngram_max` down to `ngram_min`) and propose the tokens that followed it. Holds no
+    per-request state; shares the interface of drafting.DraftProposer."""
 
     def __init__(self, config: SpecConfig) -> None:
         self.config = config
+
+    def preallocate(self, plan: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def release(self, seq: Any) -> None:
+        pass
+
+    def roll_back(self, seq: Any, end: int) -> None:
+        pass
+
+    def propose_batch(self, seqs: Sequence[Any], ks: Sequence[int]) -> list[list[int]]:
+        """Up to ks[i] tokens to follow seqs[i].known."""
+        return [self.propose(s.known, k) if k > 0 else [] for s, k in zip(seqs, ks, strict=True)]
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to `k` tokens to follow `tokens`; empty when no suffix recurs."""
@@ -66,8 +106,6 @@ class NgramProposer:
         return []
 
 
-def create_proposer(config: SpecConfig) -> NgramProposer:
-    return NgramProposer(config)
 
 
 def accept_greedy(proposal: Sequence[int], target: Sequence[int]) -> list[int]:

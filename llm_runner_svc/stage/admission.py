@@ -196,4 +196,5 @@ def build_runtime_request(runtime: InferenceRuntime, slot: Slot,
     return PreparedRun(GenerationRequest(
         slot.runtime_id, slot.admitted, sampling, stop=req.stop, capture_hidden=req.wants_hidden,
         ignore_eos=req.ignore_eos, label=req.request_id, cache_lookup=req.cache_lookup,
-        cache_generated=req.cache_generated, adapter=adapter), seed)
+        cache_generated=req.cache_generated, adapter=adapter,
+        disable_spec_decode=req.disable_spec_decode), seed)

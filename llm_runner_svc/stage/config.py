@@ -219,19 +219,50 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
         prefix_cache=bool(cache.get("enable_reuse", False)),
         prefix_cache_records=cache.get("max_records", 0),
         prefix_cache_snapshots=cache.get("max_snapshots", 0), lora_adapters=adapters,
-        spec=_spec_config(cfg.get("spec_decode")))
+        spec=_spec_config(cfg.get("spec_decode"), _draft_path(cfg, artifact, base)))
 
 
-def _spec_config(raw: Mapping[str, Any] | None) -> SpecConfig | None:
-    """`spec_decode` (checked to be method ngram): K is proposal_tokens (0 = 4), capped by
-    dspark_max_proposal_len (0 = no cap); shorter proposals than dspark_min_proposal_len
-    are not verified."""
+def _draft_path(cfg: Mapping[str, Any], artifact: str, base: Path) -> str:
+    """`draft_checkpoint`, relative to the artifact's folder (the config file's for a
+    built-in model); a built-in name stays a name."""
+    draft = cfg.get("draft_checkpoint", "")
+    if not draft or draft in _BUILTIN or Path(draft).is_absolute():
+        return str(draft)
+    root = base if artifact in _BUILTIN else Path(artifact)
+    return str((root.parent if root.is_file() else root) / draft)
+
+
+def _spec_config(raw: Mapping[str, Any] | None, draft: str) -> SpecConfig | None:
+    """`spec_decode` (a linear chain, checked by runner_keys): method ngram unless a
+    `draft_checkpoint` makes it draft. K is proposal_tokens (0: draft_step, else 4), capped
+    by dspark_max_proposal_len (0 = no cap); verify_tokens, when given, is K + 1. Proposals
+    shorter than dspark_min_proposal_len are not verified. dspark_scheduler "threshold"
+    stops a draft's proposal where its top probability falls below
+    dspark_confidence_threshold."""
     if raw is None:
+        if draft:
+            raise ConfigError("config.draft_checkpoint: a draft model needs spec_decode "
+                              "(method 'draft')")
         return None
-    k = raw.get("proposal_tokens", 0) or 4
+    step = raw.get("draft_step", 0)
+    k = raw.get("proposal_tokens", 0) or step or 4
+    if step and step != k:
+        raise ConfigError(f"config.spec_decode.draft_step: a linear chain drafts "
+                          f"proposal_tokens ({k}) steps, got {step}")
     k = min(k, raw.get("dspark_max_proposal_len", 0) or k)
+    if raw.get("verify_tokens", k + 1) != k + 1:
+        raise ConfigError(f"config.spec_decode.verify_tokens: a linear chain of {k} proposed "
+                          f"tokens verifies {k + 1}, got {raw['verify_tokens']}")
+    is_threshold = raw.get("dspark_scheduler", "off") == "threshold"
+    threshold = raw.get("dspark_confidence_threshold")
+    if is_threshold != (threshold is not None):
+        raise ConfigError("config.spec_decode.dspark_confidence_threshold: given with, and "
+                          "only with, dspark_scheduler 'threshold'")
     try:
-        return SpecConfig(raw["method"], k, min_proposal=raw.get("dspark_min_proposal_len", 1))
+        return SpecConfig(raw.get("method", "draft" if draft else "ngram"), k,
+                          min_proposal=raw.get("dspark_min_proposal_len", 1),
+                          draft_layers=raw.get("draft_layers", 0), draft_checkpoint=draft,
+                          confidence_threshold=float(threshold or 0.0))
     except RunnerError as exc:
         raise ConfigError(f"config.{exc.message}") from exc
 

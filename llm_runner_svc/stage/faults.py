@@ -121,16 +121,16 @@ class FaultyRuntime(InferenceRuntime):
             self.cancel(rid)  # lands at the top of the next step; its end is rewritten above
 
 
-def faulty_runtime_factory(faults: Faults) -> Callable[[Engine, Tokenizer, RuntimeConfig],
-                                                        InferenceRuntime]:
+def faulty_runtime_factory(faults: Faults) -> Callable[..., InferenceRuntime]:
     """A RuntimeFactory whose runtimes apply `faults` (for in-process tests)."""
-    def create(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig) -> InferenceRuntime:
-        return FaultyRuntime(faults, engine, tokenizer, config)
+    def create(engine: Engine, tokenizer: Tokenizer, config: RuntimeConfig,
+               draft: Engine | None = None) -> InferenceRuntime:
+        return FaultyRuntime(faults, engine, tokenizer, config, draft)
     return create
 
 
 def runtime_factory_from_env(environ: Mapping[str, str] | None = None
-                             ) -> Callable[[Engine, Tokenizer, RuntimeConfig], InferenceRuntime]:
+                             ) -> Callable[..., InferenceRuntime]:
     """The plain runtime, or the faulty one when LLM_RUNNER_FAULTS asks for it (processes
     started by the reliability suite)."""
     faults = faults_from_env(environ)

@@ -15,12 +15,11 @@ from typing import Any, cast
 from opentelemetry.trace import Status, StatusCode
 
 from llm_runner_svc.engines import create_engine
-from llm_runner_svc.engines.base import Engine
+from llm_runner_svc.engines.drafts import create_draft_engine
 from llm_runner_svc.errors import RunnerError
 from llm_runner_svc.models import Model, load_model
 from llm_runner_svc.models.lora import load_adapter
-from llm_runner_svc.models.tokenizer import Tokenizer
-from llm_runner_svc.runtime import FinishReason, InferenceRuntime, RuntimeConfig, StepEvent
+from llm_runner_svc.runtime import FinishReason, InferenceRuntime, StepEvent
 from llm_runner_svc.stage.admission import (
     Admission,
     Refused,
@@ -53,8 +52,9 @@ from services.stage.core import MAX_WINDOW, StageCore
 from services.stage.slot import Slot
 from services.stage.step_loop import Pairs
 
-# The seed's RuntimeFactory: builds the runtime a stage steps, from its engine and model.
-RuntimeFactory = Callable[[Engine, Tokenizer, RuntimeConfig], InferenceRuntime]
+# The seed's RuntimeFactory: builds the runtime a stage steps, from its engine and model
+# (and the draft engine of a speculative stage, as keyword `draft`).
+RuntimeFactory = Callable[..., InferenceRuntime]
 
 
 class LlmStage(StageCore):
@@ -88,9 +88,14 @@ class LlmStage(StageCore):
             options["adapters"] = [load_adapter(name, Path(path), model.config)
                                    for name, path in config.lora_adapters]
         engine = create_engine(config.engine, model.config, model.weights, **options)
+        spec = config.spec
+        draft = None if spec is None else create_draft_engine(
+            spec.method, config.engine, model, engine, spec.draft_layers,
+            spec.draft_checkpoint, **config.engine_options())
         factory = runtime_factory or runtime_factory_from_env()
-        return cls(config, model, factory(engine, model.tokenizer, config.runtime_config()),
-                   slot_ttl_s, max_message_bytes)
+        extra = {"draft": draft} if draft is not None else {}
+        return cls(config, model, factory(engine, model.tokenizer, config.runtime_config(),
+                                          **extra), slot_ttl_s, max_message_bytes)
 
     async def start(self) -> None:
         """Preallocate every buffer, then start the decode loop and the slot reaper."""

@@ -40,6 +40,7 @@ class StageRequest:
     ports: tuple[str, ...] = ()
     num_media: int = 0
     ignore_eos: bool = False
+    disable_spec_decode: bool = False  # decode plainly on a speculative stage
     cache_lookup: bool = True  # reuse a cached prefix (context_cache_lookup_policy)
     cache_generated: bool = True  # commit generated tokens too (context_cache_commit_policy)
 

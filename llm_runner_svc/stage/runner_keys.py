@@ -159,6 +159,7 @@ RUNNER_KEYS = Obj(noun="LlmRunner key", fields={
     "top_k": COUNT,  # 0 = the whole vocabulary
     "spec_decode": Obj({
         "method": Text(("ngram", "self", "draft")),  # ours: the proposer
+        "draft_layers": POSITIVE,  # ours: layers the `self` draft keeps
         "draft_top_k": POSITIVE,
         "draft_step": POSITIVE,
         "proposal_tokens": COUNT,  # 0 = from the draft engine's config
@@ -203,22 +204,20 @@ class _Unhonoured:
 # (an empty adapter table, reuse disabled, false) is accepted.
 UNHONOURED: Mapping[str, _Unhonoured] = {
     "multimodal_artifact": _Unhonoured("no perception engine in this build"),
-    "draft_checkpoint": _Unhonoured("speculative decoding is not in this build"),
     "spec_decode": _Unhonoured(
-        "only method 'ngram' (prompt lookup) is in this build: no draft model, layer-skip, "
-        "tree drafting (draft_top_k > 1), dspark_w2_backend or confidence scheduler",
-        lambda v: not is_ngram_only(v)),
+        "linear proposal chains only: no tree drafting (draft_top_k > 1), no "
+        "dspark_w2_backend, no dspark_scheduler 'sps'", lambda v: not is_linear_chain(v)),
     "visual_pruning": _Unhonoured("no perception engine in this build"),
     "ple": _Unhonoured("per-layer embeddings are not in this build"),
     "offload_embedding": _Unhonoured("only false is supported", bool),
 }
 
 
-def is_ngram_only(spec: Any) -> bool:
-    """A `spec_decode` value this build serves: method ngram, a linear chain, none of the
-    draft model's settings."""
-    return spec.get("method") == "ngram" and spec.get("draft_top_k", 1) == 1 and \
-        "dspark_w2_backend" not in spec and spec.get("dspark_scheduler", "off") == "off"
+def is_linear_chain(spec: Any) -> bool:
+    """A `spec_decode` value this build serves: a linear chain (draft_top_k 1), without
+    the settings that mean something only for tree drafts on the seed's runtime."""
+    return spec.get("draft_top_k", 1) == 1 and "dspark_w2_backend" not in spec and \
+        spec.get("dspark_scheduler", "off") != "sps"
 
 
 def check_runner_keys(cfg: Any, path: str = "config") -> None:

@@ -119,8 +119,9 @@ def test_serve_reads_a_stage_config(proc_factory, tmp_path: Path) -> None:
 
 def test_bad_config_fails_at_start_naming_the_key(tmp_path: Path) -> None:
     cfg = tmp_path / "stages.json"
+    spec = {"dspark_w2_backend": "x"}
     cfg.write_text(json.dumps({"stages": [{"id": "t", "runner": "llm.backbone",
-                                           "config": {"spec_decode": {}}}]}))
+                                           "config": {"spec_decode": spec}}]}))
     done = subprocess.run([sys.executable, "-m", "llm_runner_svc", "serve", "--config", str(cfg),
                            "--port", "0"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2

@@ -64,23 +64,28 @@ def _requests(stories, rt, **kw):
             for i, p in enumerate(PROMPTS)]
 
 
+def _drain(rt, cancel_at=None):
+    """Step `rt` until idle (cancelling r0 at step `cancel_at`): each request's tokens, and
+    its finish reason and metrics."""
+    got, ends, steps = {}, {}, 0
+    while rt.has_work:
+        steps += 1
+        if steps == cancel_at:
+            rt.cancel("r0")
+        for ev in rt.step():
+            got.setdefault(ev.request_id, []).extend(ev.token_ids)
+            if ev.finish_reason is not None:
+                ends[ev.request_id] = (ev.finish_reason, ev.metrics)
+    return got, ends
+
+
 def _run(stories, spec, cancel_at=None, engine="numpy", **kw):
     rt = _runtime(stories, engine, max_batch=kw.pop("max_batch", 4), max_seq=512, spec=spec,
                   **{k: kw.pop(k) for k in ("kv_memory_bytes", "page_size") if k in kw})
     try:
         for req in _requests(stories, rt, **kw):
             rt.submit(req)
-        got: dict[str, list[int]] = {}
-        ends: dict[str, object] = {}
-        steps = 0
-        while rt.has_work:
-            steps += 1
-            if steps == cancel_at:
-                rt.cancel("r0")
-            for ev in rt.step():
-                got.setdefault(ev.request_id, []).extend(ev.token_ids)
-                if ev.finish_reason is not None:
-                    ends[ev.request_id] = (ev.finish_reason, ev.metrics)
+        got, ends = _drain(rt, cancel_at)
         assert rt.pages.num_free == rt.pages.num_pages
         return got, ends, rt.scheduler.preemptions
     finally:
@@ -282,3 +287,131 @@ def test_sampled_speculation_runs_in_a_mixed_batch(stories, engine):
     assert all(len(t) == 60 for t in first.values())
     assert m1["r1"].proposed_tokens > 0 and m1["r1"].accepted_tokens > 0
     assert m1["r3"].proposed_tokens == 0
+
+
+# ---- draft engines: self (layer skip) and draft (a second model) ----------------------------
+
+def _draft_runtime(stories, engine, spec, **cfg):
+    from llm_runner_svc.engines.drafts import create_draft_engine
+
+    rt = _runtime(stories, engine, max_seq=512, spec=None, **cfg)  # the target, built alike
+    target = rt.engine
+    draft = create_draft_engine(spec.method, engine, stories, target, spec.draft_layers,
+                                spec.draft_checkpoint, **({"device": "cpu"} if engine == "torch"
+                                                          else {}))
+    rt.close()
+    out = InferenceRuntime(target, stories.tokenizer, RuntimeConfig(max_seq=512, spec=spec,
+                                                                     **cfg), draft)
+    out.preallocate()
+    return out
+
+
+@pytest.mark.parametrize(("engine", "spec"), [
+    ("numpy", SpecConfig("self", 4, draft_layers=2)),
+    ("torch", SpecConfig("self", 3, draft_layers=3)),
+    ("numpy", SpecConfig("draft", 4, draft_checkpoint="stories260K")),
+    ("torch", SpecConfig("draft", 5, draft_checkpoint="stories260K")),
+])
+def test_draft_proposers_keep_plain_greedy_output_in_a_mixed_batch(stories, engine, spec):
+    plain, _, _ = _run(stories, None, engine=engine)
+    rt = _draft_runtime(stories, engine, spec, max_batch=4)
+    try:
+        for req in _requests(stories, rt, plain=(1,)):
+            rt.submit(req)
+        got, metrics = _drain(rt)
+        assert got == plain
+        assert rt.pages.num_free == rt.pages.num_pages
+        assert rt.proposer.pool.num_free == rt.proposer.pool.num_pages  # draft pages back
+    finally:
+        rt.close()
+    m = metrics["r0"][1]
+    assert metrics["r1"][1].proposed_tokens == 0
+    assert m.proposed_tokens > 0 and m.accepted_tokens > 0
+    if spec.method == "draft":  # the target as its own draft: every proposal accepted
+        assert m.acceptance_rate == 1.0 and m.tokens_per_target_step > spec.proposal_tokens
+
+
+def test_draft_confidence_threshold_shortens_proposals(stories):
+    plain, _, _ = _run(stories, None)
+    counts = []
+    for threshold in (0.0, 0.9):
+        rt = _draft_runtime(stories, "numpy", SpecConfig("self", 4, draft_layers=2,
+                                                         confidence_threshold=threshold),
+                            max_batch=4)
+        try:
+            for req in _requests(stories, rt):
+                rt.submit(req)
+            got, metrics = _drain(rt, cancel_at=None)
+        finally:
+            rt.close()
+        assert got == plain
+        counts.append(sum(m.proposed_tokens for _, m in metrics.values()))
+    assert counts[1] < counts[0]
+
+
+def test_cancel_mid_verify_frees_draft_pages(stories):
+    rt = _draft_runtime(stories, "numpy", SpecConfig("self", 4, draft_layers=2), max_batch=4)
+    try:
+        for req in _requests(stories, rt):
+            rt.submit(req)
+        got, metrics = _drain(rt, cancel_at=5)
+        assert metrics["r0"][0] is FinishReason.CANCELLED
+        assert rt.proposer.pool.num_free == rt.proposer.pool.num_pages
+    finally:
+        rt.close()
+
+
+def test_a_draft_with_another_tokenizer_is_refused_by_name(stories):
+    from llm_runner_svc.engines.drafts import create_draft_engine
+
+    rt = make_runtime(stories, max_seq=64)
+    try:
+        with pytest.raises(InvalidArgument, match="not the target's tokenizer: 49152 token ids"):
+            create_draft_engine("draft", "numpy", stories, rt.engine,
+                                draft_checkpoint="smollm2")
+        with pytest.raises(InvalidArgument, match="draft_layers"):
+            create_draft_engine("self", "numpy", stories, rt.engine, draft_layers=9)
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("spec", ["self:2", "draft:stories260K"])
+def test_cli_generate_with_a_draft_prints_the_plain_greedy_text(capsys, spec):
+    from llm_runner_svc.cli import main
+
+    args = ["generate", "Lily and Tom went to the park. Lily and Tom", "--temperature", "0",
+            "--max-tokens", "30", "--quiet"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--spec", spec, "--proposal-tokens", "3"]) == 0
+    assert capsys.readouterr().out == plain
+
+
+def test_stage_speculates_with_a_layer_skip_draft_and_honours_disable_spec_decode(goldens):
+    """Over real gRPC: a stage configured with `self` speculation serves the golden greedy
+    text, reports acceptance in Diagnostics, and a request with disable_spec_decode decodes
+    plainly (no speculative keys) with the same tokens."""
+    from google.protobuf.json_format import MessageToDict
+    from stage_harness import StageServer
+
+    from llm_runner_svc.stage import StageConfig
+    from services.contract.llmstage.v1 import stage_pb2 as pb
+
+    case = next(c for c in goldens["cases"] if c["name"] == "greedy_from_bos")
+    config = StageConfig(max_seq=512, spec=SpecConfig("self", 4, draft_layers=3))
+    diags = {}
+    with StageServer(config) as srv:
+        for sid, plain in ((1, False), (2, True)):
+            srv.admit_prepare(sid, token_ids=case["prompt_token_ids"], temperature=0.0,
+                              max_tokens=case["steps"], disable_spec_decode=plain)
+            stream = srv.step([sid], credits=64)
+            out = stream.collect({sid})[sid]
+            assert out["tokens"] == case["generated_token_ids"]
+            srv.stub.Finish(pb.FinishRequest(slot_id=sid))
+            diags[sid] = MessageToDict(
+                srv.stub.Diagnostics(pb.DiagnosticsRequest(slot_id=sid)).values)
+            srv.stub.Reset(pb.ResetRequest(slot_id=sid))
+            stream.half_close()
+    assert diags[1]["proposed_tokens"] > 0 and diags[1]["tokens_per_target_step"] > 1.0
+    assert 0 < diags[1]["acceptance_rate"] <= 1.0
+    assert "proposed_tokens" not in diags[2]

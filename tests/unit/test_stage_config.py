@@ -120,8 +120,8 @@ def test_unknown_engine_lists_the_valid_ones(tmp_path):
 
 
 @pytest.mark.parametrize("key, value", [
-    ("spec_decode", {}), ("spec_decode", {"draft_top_k": 4, "dspark_scheduler": "sps"}),
-    ("draft_checkpoint", "d.gguf"), ("multimodal_artifact", "v"),
+    ("spec_decode", {"draft_top_k": 4, "dspark_scheduler": "sps"}),
+    ("multimodal_artifact", "v"),
     ("visual_pruning", {"algorithm": "dart", "reduction_ratio": 0.25}),
     ("ple", {"file": "ple.bin", "residency": "host", "cache_slots": 64}),
     ("runtime_cache", "c"),
@@ -230,7 +230,7 @@ def test_unknown_sub_keys_are_refused_by_name(tmp_path, cfg, path):
     ("lora_adapters", [], "an object {name: path}"),
     ("lora_adapters", "a.safetensors", "an object {name: path}"),
     ("context_cache", True, "an object with keys from ['enable_reuse', "),
-    ("spec_decode", [], "an object with keys from ['draft_step', "),
+    ("spec_decode", [], "an object with keys from ['draft_layers', "),
     ("visual_pruning", 0.5, "an object with keys from ['algorithm', "),
     ("ple", "ple.bin", "an object with keys from ['cache_slots', 'file', 'residency']"),
 ])
@@ -287,15 +287,39 @@ def test_spec_decode_ngram_is_honoured_and_its_lengths_read(tmp_path):
     assert cfg.runtime_config().spec == cfg.spec
 
 
-@pytest.mark.parametrize("spec, code, words", [
-    ({"method": "ngram"}, "INVALID_ARGUMENT", "emits no hidden port"),
-    ({"method": "draft"}, "UNIMPLEMENTED", "only method 'ngram'"),
-    ({"method": "ngram", "dspark_w2_backend": "x"}, "UNIMPLEMENTED", "dspark_w2_backend"),
-    ({"method": "ngram", "draft_top_k": 4}, "UNIMPLEMENTED", "tree drafting"),
+def test_spec_decode_self_and_draft_read_their_settings(tmp_path):
+    stage = _with_config(spec_decode={"method": "self", "draft_layers": 2, "draft_step": 3,
+                                      "verify_tokens": 4, "dspark_scheduler": "threshold",
+                                      "dspark_confidence_threshold": 0.4})
+    spec = load_stage_config(_write(tmp_path, {"stages": [stage]})).spec
+    assert spec is not None
+    assert (spec.method, spec.draft_layers, spec.proposal_tokens, spec.confidence_threshold) \
+        == ("self", 2, 3, 0.4)
+    stage = _with_config(spec_decode={"proposal_tokens": 5}, draft_checkpoint="d/draft.gguf")
+    spec = load_stage_config(_write(tmp_path, {"stages": [stage]})).spec
+    assert spec is not None and spec.method == "draft"
+    assert spec.draft_checkpoint == str(tmp_path / "d" / "draft.gguf")
+
+
+@pytest.mark.parametrize("spec, extra, code, words", [
+    ({"method": "ngram"}, {}, "INVALID_ARGUMENT", "emits no hidden port"),
+    ({"method": "draft"}, {}, "INVALID_ARGUMENT", "method 'draft' needs one"),
+    ({"method": "self"}, {}, "INVALID_ARGUMENT", "draft_layers"),
+    (None, {"draft_checkpoint": "d.gguf"}, "INVALID_ARGUMENT", "needs spec_decode"),
+    ({"method": "ngram", "dspark_w2_backend": "x"}, {}, "UNIMPLEMENTED", "dspark_w2_backend"),
+    ({"method": "ngram", "draft_top_k": 4}, {}, "UNIMPLEMENTED", "tree drafting"),
+    ({"dspark_scheduler": "sps"}, {}, "UNIMPLEMENTED", "'sps'"),
+    ({"dspark_scheduler": "threshold", "dspark_confidence_threshold": 0.5}, {},
+     "INVALID_ARGUMENT", "no draft probabilities"),
+    ({"method": "self", "draft_layers": 1, "dspark_confidence_threshold": 0.5}, {},
+     "INVALID_ARGUMENT", "only with, dspark_scheduler 'threshold'"),
+    ({"proposal_tokens": 4, "verify_tokens": 8}, {}, "INVALID_ARGUMENT", "verifies 5"),
+    ({"proposal_tokens": 4, "draft_step": 2}, {}, "INVALID_ARGUMENT", "draft_step"),
 ])
-def test_spec_decode_refusals_name_the_rule(tmp_path, spec, code, words):
-    stage = _with_config(spec_decode=spec)
-    stage["emits"] = ["text", "tokens", "hidden"]
+def test_spec_decode_refusals_name_the_rule(tmp_path, spec, extra, code, words):
+    stage = _with_config(**({"spec_decode": spec} if spec is not None else {}), **extra)
+    if code != "INVALID_ARGUMENT" or words == "emits no hidden port":
+        stage["emits"] = ["text", "tokens", "hidden"]
     exc = _raises(tmp_path, stage)
     assert exc.code == code
     assert words in exc.message

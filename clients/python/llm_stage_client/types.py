@@ -39,6 +39,7 @@ class GenerateOptions(TypedDict, total=False):
     sinks: Sequence[str]
     ignore_eos: bool
     adapter: str
+    disable_spec_decode: bool
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ def build_generate_request(
     sinks: Sequence[str] = (),
     ignore_eos: bool = False,
     adapter: str = "",
+    disable_spec_decode: bool = False,
 ) -> opb.GenerateRequest:
     """The GenerateRequest for these arguments.
 
@@ -120,6 +122,7 @@ def build_generate_request(
     given. Each sampling value is set only when not None, so the deployment default applies
     otherwise. `sinks` are "stage:port" names (empty: the topology's default sinks).
     `adapter` names the LoRA adapter the runner applies (empty: the base model).
+    `disable_spec_decode` asks a speculative runner to decode this request plainly.
 
     Raises ValueError when not exactly one prompt form is given or a value does not fit its
     field (e.g. a negative seed), TypeError when `stop` or `sinks` is a bare string.
@@ -144,7 +147,8 @@ def build_generate_request(
     if seed is not None:
         sampling.seed = seed
     req = pb.GenerationRequest(request_id=request_id, sampling=sampling, stop=list(stop),
-                               ignore_eos=ignore_eos, lora=adapter)
+                               ignore_eos=ignore_eos, lora=adapter,
+                               disable_spec_decode=disable_spec_decode)
     if prompt is not None:
         req.text = prompt
     elif token_ids is not None:

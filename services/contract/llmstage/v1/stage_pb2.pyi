@@ -211,7 +211,7 @@ class SamplingOverrides(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerationRequest(_message.Message):
-    __slots__ = ("request_id", "text", "messages", "token_ids", "sampling", "stop", "logit_bias", "lora", "ports", "media", "ignore_eos", "context_cache_lookup_policy", "context_cache_commit_policy")
+    __slots__ = ("request_id", "text", "messages", "token_ids", "sampling", "stop", "logit_bias", "lora", "ports", "media", "ignore_eos", "context_cache_lookup_policy", "context_cache_commit_policy", "disable_spec_decode")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class GenerationRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_CACHE_LOOKUP_POLICY_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_CACHE_COMMIT_POLICY_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     messages: ChatMessages
@@ -245,7 +246,8 @@ class GenerationRequest(_message.Message):
     ignore_eos: bool
     context_cache_lookup_policy: CacheLookupPolicy
     context_cache_commit_policy: CacheCommitPolicy
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOverrides, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., lora: _Optional[str] = ..., ports: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[_Union[MediaPart, _Mapping]]] = ..., ignore_eos: _Optional[bool] = ..., context_cache_lookup_policy: _Optional[_Union[CacheLookupPolicy, str]] = ..., context_cache_commit_policy: _Optional[_Union[CacheCommitPolicy, str]] = ...) -> None: ...
+    disable_spec_decode: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOverrides, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., lora: _Optional[str] = ..., ports: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[_Union[MediaPart, _Mapping]]] = ..., ignore_eos: _Optional[bool] = ..., context_cache_lookup_policy: _Optional[_Union[CacheLookupPolicy, str]] = ..., context_cache_commit_policy: _Optional[_Union[CacheCommitPolicy, str]] = ..., disable_spec_decode: _Optional[bool] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
     __slots__ = ("slot_id", "request", "traceparent")
