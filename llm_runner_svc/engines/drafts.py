@@ -22,6 +22,15 @@ PROBE = ("The quick brown fox jumps over the lazy dog. 1234567890 !?;: "
          "Once upon a time, naïve café owners said: \"Hello, world!\"\n\tdef f(x): return x")
 
 
+def first_layers(target: Engine, num_layers: int) -> Engine:
+    """`target`'s first `num_layers` layers with its final norm and head, as an engine (the
+    torch engine's on the same tensors)."""
+    if target.name != "torch":
+        raise InvalidArgument(f"engine {target.name}: layer-skip drafts are built from its "
+                              "model (create_draft_engine)")
+    return _torch_first_layers(target, num_layers)
+
+
 def create_draft_engine(method: str, engine_name: str, model: Model, target: Engine,
                         draft_layers: int = 0, draft_checkpoint: str = "",
                         **options: Any) -> Engine | None:
@@ -35,10 +44,8 @@ def create_draft_engine(method: str, engine_name: str, model: Model, target: Eng
             raise InvalidArgument(f"spec_decode.draft_layers: the draft keeps 1 .. "
                                   f"{model.config.num_layers - 1} of the target's "
                                   f"{model.config.num_layers} layers, got {n}")
-        first_layers = getattr(target, "first_layers", None)
-        if first_layers is not None:
-            draft: Engine = first_layers(n)
-            return draft
+        if target.name == "torch":
+            return _torch_first_layers(target, n)
         weights = replace(model.weights, layers=list(model.weights.layers[:n]))
         return create_engine(engine_name, replace(model.config, num_layers=n), weights,
                              **options)
@@ -71,3 +78,20 @@ def tokenizer_mismatch(target: Tokenizer, draft: Tokenizer) -> str | None:
     if target.decode(a) != draft.decode(a):
         return "the same ids decode to different text"
     return None
+
+
+def _torch_first_layers(target: Any, num_layers: int) -> Engine:
+    """A torch engine of `target`'s first `num_layers` layers, its final norm and head, on
+    the same weight tensors, with the same settings."""
+    from llm_runner_svc.engines.torch_engine import TorchEngine
+    from llm_runner_svc.engines.torch_weights import TorchWeights
+
+    w = target.weights
+    settings = {name: getattr(target, name) for name in (
+        "kernels", "fused_rows", "fused_prefill_rows", "mixed_steps", "prefill_graph_tokens",
+        "split_prefill_keys") if hasattr(target, name)}
+    dtype = "bfloat16" if target.dtype.itemsize == 2 else "float32"
+    return TorchEngine(replace(target.config, num_layers=num_layers),
+                       TorchWeights(w.embedding, w.lm_head, w.final_norm,
+                                    w.layers[:num_layers]),
+                       device=target.device, dtype=dtype, **settings)

@@ -18,12 +18,10 @@ torch_steps.py. Hidden states stay staged on the device unless a row asked for t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 
 from llm_runner_svc.engines.base import EnginePlan, check_hidden_layer, is_same_plan
-from llm_runner_svc.engines.batch import MAX_VERIFY
 from llm_runner_svc.engines.torch_forward import Forward, has_float32_products
 from llm_runner_svc.engines.torch_graphs import (
     DecodeGraphs,
@@ -186,11 +184,7 @@ class TorchEngine(TorchSteps):
                         capture_hidden=plan.hidden_layer is not None, pad_dest=plan.max_batch)
                     self.prefill_graphs.capture()
         self.picks = Picks(self.state.logits, self.state.next_ids, pass_tokens(plan))
-        self.verify_logits = torch.zeros((MAX_VERIFY, c.vocab_size), dtype=torch.float32,
-                                         device=self.device)
-        self.verify_ids = torch.zeros((plan.max_batch, MAX_VERIFY), dtype=torch.int64,
-                                      device=self.device)
-        self._bytes += self.picks.nbytes + self.verify_logits.nbytes + self.verify_ids.nbytes
+        self._bytes += self.picks.nbytes
         self._last_sampled: tuple[bool, ...] = ()  # which rows of the last forward picked
 
     def close(self) -> None:
@@ -200,7 +194,7 @@ class TorchEngine(TorchSteps):
             if graphs is not None:
                 graphs.close()
         for name in ("graphs", "prefill_graphs", "stager", "prefill_stager", "forward", "picks",
-                     "verify_logits", "verify_ids", "state"):
+                     "state"):
             delattr(self, name)
         self._plan = None
         self._bytes = 0
@@ -209,16 +203,6 @@ class TorchEngine(TorchSteps):
 
     def memory_bytes(self) -> int:
         return self._bytes
-
-    def first_layers(self, num_layers: int) -> TorchEngine:
-        """An engine of this one's first `num_layers` layers, its final norm and head, on
-        the same weight tensors (a layer-skip draft), with the same settings."""
-        weights = TorchWeights(self.weights.embedding, self.weights.lm_head,
-                               self.weights.final_norm, self.weights.layers[:num_layers])
-        return TorchEngine(replace(self.config, num_layers=num_layers), weights, self.device,
-                           "bfloat16" if self.dtype == torch.bfloat16 else "float32",
-                           self.kernels, self.fused_rows, self.fused_prefill_rows,
-                           self.mixed_steps, self.prefill_graph_tokens)
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.config.num_layers * self.config.kv_dim * self.dtype.itemsize

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llm_runner_svc.engines.batch import SampleSpec
+from llm_runner_svc.engines.batch import MAX_VERIFY, SampleSpec
 from llm_runner_svc.engines.numpy_sampling import apply_logit_bias as host_logit_bias
 from llm_runner_svc.engines.numpy_sampling import sample_rows
 from llm_runner_svc.engines.torch_sampling import apply_logit_bias, sample_on_device
@@ -36,6 +36,11 @@ class Picks:
         """`logits` [max_batch, vocab] float32 and `next_ids` [max_batch] int64 of the run
         state; forwards of up to `max_tokens` tokens."""
         self._logits, self._next = logits, next_ids
+        # a verify row's logits at its proposed positions, and each row's greedy picks there
+        self.verify_logits = torch.zeros((MAX_VERIFY, logits.shape[1]), dtype=torch.float32,
+                                         device=logits.device)  # [MAX_VERIFY, vocab]
+        self.verify_ids = torch.zeros((next_ids.shape[0], MAX_VERIFY), dtype=torch.int64,
+                                      device=logits.device)  # [max_batch, MAX_VERIFY]
         self._scratch = torch.zeros((3, max_tokens), dtype=torch.int64, device=logits.device)
         self._mask = torch.zeros(max_tokens, dtype=torch.bool, device=logits.device)
         self._is_cuda = logits.is_cuda
@@ -46,7 +51,8 @@ class Picks:
 
     @property
     def nbytes(self) -> int:
-        return int(self._scratch.nbytes + self._mask.nbytes)
+        return int(self._scratch.nbytes + self._mask.nbytes + self.verify_logits.nbytes
+                   + self.verify_ids.nbytes)
 
     def feed(self, ids: torch.Tensor) -> None:
         """Replace each negative entry -1-j of the staged token ids `ids` by pick j of the

@@ -74,8 +74,6 @@ class TorchSteps(Engine):
     graphs: DecodeGraphs | None
     prefill_graphs: PrefillGraphs | None
     picks: Picks
-    verify_logits: torch.Tensor  # [MAX_VERIFY, vocab] float32 one verify row's logits
-    verify_ids: torch.Tensor  # [max_batch, MAX_VERIFY] int64 greedy picks of verify rows
     _plan: EnginePlan | None
     _last_sampled: tuple[bool, ...]
     supports_verify = True
@@ -128,7 +126,7 @@ class TorchSteps(Engine):
         picks = self.picks.wait(handle.picks)
         verified = list(handle.verified)
         if handle.on_device:  # the speculative step's read is waited for anyway
-            ids = self.verify_ids.cpu().tolist()
+            ids = self.picks.verify_ids.cpu().tolist()
             for i, k in handle.on_device:
                 verified[i] = ids[i][:k]
         return StepOutput([p if wanted else None
@@ -205,10 +203,10 @@ class TorchSteps(Engine):
                 continue
             k = row.verify
             lo = seg.offset + len(seg.tokens) - 1 - k
-            logits = self.verify_logits[:k]
+            logits = self.picks.verify_logits[:k]
             self.forward.head(self.state.x[lo:lo + k], self.forward.fuses(k, False), out=logits)
             if row.sample.is_greedy:
-                torch.argmax(logits, dim=-1, out=self.verify_ids[first + seg.row, :k])
+                torch.argmax(logits, dim=-1, out=self.picks.verify_ids[first + seg.row, :k])
                 self._on_device.append((first + seg.row, k))
             else:
                 self._verified[first + seg.row] = verify_picks(

@@ -1,0 +1,263 @@
+"""Speculative decoding on one GPU with the torch engine: what a verify step, a draft
+proposal and a layer-skip proposal cost against a plain decode step, measured in one process
+on random bf16 weights at Qwen2.5 shapes (drawn on the device, as bench_gpu.py does).
+
+For each batch size (every row at position `--prompt`, pages of its own; each step launched
+and read back, as a speculative step is):
+  - decode: one token per row (the captured decode graph);
+  - verify: the last token and K proposed ones per row, with the greedy pick at each of the
+    K + 1 positions (a multi-token row through the captured prefill graph of its token
+    bucket, then the head over the K verified positions);
+  - (a) replay: `InferenceRuntime` over the same engine, plain against speculative with a
+    benchmark-only proposer that replays the plain run's greedy continuation (acceptance
+    1.0 where the verify step's argmax agrees with the decode step's); decode tokens/s;
+  - (b) draft: a model of the 0.5B shape with the 7B vocabulary proposing for the 7B
+    target: its one-token step and its two-token catch-up step (the tokens the last verify
+    accepted), so one proposal round of K tokens costs catch-up + (K - 1) steps;
+  - (c) self: the target's first 1/4 of the layers and its head as the draft (sharing the
+    target's weights), costed the same way.
+Per round, the figures give the speedup at acceptance 1.0 (K + 1 tokens per target step):
+(K + 1) x decode / (verify + round). Prints a table and writes every figure as JSON.
+
+Usage: python benchmarks/bench_spec_gpu.py [--target qwen2.5-7b] [--draft qwen2.5-0.5b]
+       [--batches 1,8,32] [--k 4] [--prompt 256] [--steps 64] [--json FILE]
+       [--device cpu --smoke]   (a tiny shape on the CPU: checks the script runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_paths  # noqa: E402
+
+from llm_runner_svc.engines.batch import Batch, Row, SampleSpec  # noqa: E402
+from llm_runner_svc.engines.drafts import first_layers  # noqa: E402
+from llm_runner_svc.engines.torch_engine import TorchEngine  # noqa: E402
+from llm_runner_svc.engines.torch_weights import named_shape, random_weights  # noqa: E402
+from llm_runner_svc.models.spec import ModelConfig, RopeStyle  # noqa: E402
+from llm_runner_svc.runtime import (  # noqa: E402
+    GenerationRequest,
+    InferenceRuntime,
+    RuntimeConfig,
+    SpecConfig,
+    resolve,
+)
+
+GREEDY = SampleSpec(0.0, 0, 1.0)
+TINY = ModelConfig(arch="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
+                   num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, max_position=1024,
+                   rope_theta=1e6, rope_style=RopeStyle.HALF, rms_eps=1e-6, has_qkv_bias=True,
+                   tie_embeddings=False)
+
+
+class ReplayProposer:
+    """Benchmark only: proposes the tokens a plain greedy run produced next (the target's
+    own continuation), so every proposal the verify step agrees with is accepted."""
+
+    def __init__(self, config: SpecConfig, continuations: dict[str, list[int]]) -> None:
+        self.config = config
+        self.continuations = continuations
+
+    def preallocate(self, plan: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def release(self, seq: Any) -> None:
+        pass
+
+    def roll_back(self, seq: Any, end: int) -> None:
+        pass
+
+    def propose_batch(self, seqs: Sequence[Any], ks: Sequence[int]) -> list[list[int]]:
+        out = []
+        for seq, k in zip(seqs, ks, strict=True):
+            done = len(seq.output_ids)
+            out.append(self.continuations[seq.req.request_id][done:done + k])
+        return out
+
+
+def step_ms(engine: TorchEngine, rows: list[Row], reps: int, rounds: int = 3) -> float:
+    """Milliseconds of one step of `rows`, launched and read back (median round)."""
+    batch = Batch(rows)
+    for _ in range(3):
+        engine.read(engine.launch(batch))
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            engine.read(engine.launch(batch))
+        times.append((time.perf_counter() - t0) / reps)
+    return 1000 * statistics.median(times)
+
+
+def rows_at(batch: int, position: int, length: int, verify: int, page_size: int,
+            num_pages: int) -> list[Row]:
+    """`batch` rows of `length` tokens at `position`, each on pages of its own; `verify`:
+    that many trailing proposed tokens (greedy picks at each)."""
+    per_row = (position + length - 1) // page_size + 1
+    return [Row(tuple(range(7, 7 + length)), position,
+                [(i * per_row + p) % num_pages for p in range(per_row)], GREEDY, verify=verify)
+            for i in range(batch)]
+
+
+def run_requests(rt: InferenceRuntime, prompts: list[list[int]], steps: int
+                 ) -> tuple[dict[str, list[int]], float, float, float]:
+    """Every prompt greedily to `steps` tokens in one batch: the tokens, the decode rate
+    (tokens after each request's first over the time from the step where every request had
+    its first token), acceptance and tokens per target step (0 when plain)."""
+    for i, ids in enumerate(prompts):
+        rt.submit(GenerationRequest(f"r{i}", ids, resolve(
+            rt.config.sampling, temperature=0.0, max_new_tokens=steps), ignore_eos=True))
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    metrics = []
+    t_first, at_first = 0.0, 0
+    while rt.has_work:
+        for ev in rt.step():
+            got[ev.request_id] += ev.token_ids
+            if ev.metrics is not None:
+                metrics.append(ev.metrics)
+        if not t_first and all(got.values()):
+            t_first, at_first = time.perf_counter(), sum(len(t) for t in got.values())
+    elapsed = time.perf_counter() - t_first
+    made = sum(len(t) for t in got.values()) - at_first
+    proposed = sum(m.proposed_tokens for m in metrics)
+    accepted = sum(m.accepted_tokens for m in metrics)
+    targets = sum(m.target_steps for m in metrics)
+    verified = sum(m.verified_tokens for m in metrics)
+    return (got, made / elapsed, accepted / proposed if proposed else 0.0,
+            verified / targets if targets else 0.0)
+
+
+def replay(engine: TorchEngine, config: ModelConfig, rt_config: RuntimeConfig, batch: int,
+           prompt: int, steps: int, k: int) -> dict[str, float]:
+    """(a): plain decode, then speculative decode replaying a greedy continuation, same
+    engine. In bf16 a verify step's argmax may differ from the decode step's at a near-tie
+    (its products run another kernel), after which the plain continuation no longer
+    follows the speculative run's text; each further round replays the previous round's own
+    output, up to three, until every proposal is accepted."""
+    model = gpu_paths.random_model("target", config, None)
+    gen = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(0, config.vocab_size, (batch, prompt), generator=gen).tolist()
+    plain_rt = InferenceRuntime(engine, model.tokenizer, rt_config)
+    plain_rt.preallocate()  # the engine's plan already: a no-op
+    run_requests(plain_rt, [p[:16] for p in prompts], 4)  # warm-up
+    plain, plain_tps, _, _ = run_requests(plain_rt, prompts, steps)
+    spec = SpecConfig("ngram", k)
+    spec_rt = InferenceRuntime(engine, model.tokenizer, dataclasses.replace(rt_config, spec=spec))
+    spec_rt.preallocate()
+    replayed, rounds = plain, 0
+    while True:
+        rounds += 1
+        spec_rt.proposer = ReplayProposer(spec, replayed)  # type: ignore[assignment]
+        got, spec_tps, acceptance, per_step = run_requests(spec_rt, prompts, steps)
+        if acceptance == 1.0 or rounds == 3:
+            break
+        replayed = got
+    same = sum(a == b for r in plain for a, b in zip(plain[r], got[r], strict=True))
+    return {"plain_tok_s": plain_tps, "replay_tok_s": spec_tps,
+            "replay_speedup": spec_tps / plain_tps, "replay_acceptance": acceptance,
+            "replay_tokens_per_step": per_step, "replay_rounds": rounds,
+            "same_tokens_as_plain": same / sum(len(t) for t in plain.values())}
+
+
+def draft_costs(draft: TorchEngine, batch: int, prompt: int, k: int, reps: int,
+                page_size: int, num_pages: int) -> dict[str, float]:
+    """A draft's one-token step and two-token catch-up step; one round of K proposals."""
+    one = step_ms(draft, rows_at(batch, prompt, 1, 0, page_size, num_pages), reps)
+    catch_up = step_ms(draft, rows_at(batch, prompt, 2, 0, page_size, num_pages), reps)
+    return {"step_ms": one, "catch_up_ms": catch_up, "round_ms": catch_up + (k - 1) * one,
+            "per_token_ms": (catch_up + (k - 1) * one) / k}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="qwen2.5-7b")
+    ap.add_argument("--draft", default="qwen2.5-0.5b")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--smoke", action="store_true", help="a tiny shape (for the CPU)")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = TINY if args.smoke else named_shape(args.target)
+    draft_config = dataclasses.replace(TINY if args.smoke else named_shape(args.draft),
+                                       num_layers=2 if args.smoke else
+                                       named_shape(args.draft).num_layers,
+                                       vocab_size=config.vocab_size)
+    k = args.k
+    rt_config = RuntimeConfig(max_batch=max(batches), max_seq=args.prompt + args.steps + 32)
+    t0 = time.perf_counter()
+    target = TorchEngine(config, random_weights(config, device, dtype, seed=0), device=device)
+    model = gpu_paths.random_model("target", config, None)
+    rt = InferenceRuntime(target, model.tokenizer, rt_config)
+    rt.preallocate()
+    plan = rt.plan
+    ps, pages = plan.page_size, plan.num_pages
+    draft = TorchEngine(draft_config, random_weights(draft_config, device, dtype, seed=1),
+                        device=device)
+    draft.preallocate(plan)
+    skip = first_layers(target, max(1, config.num_layers // 4))
+    skip.preallocate(plan)
+    print(f"# engines built and captured in {time.perf_counter() - t0:.1f} s "
+          f"(target {args.target if not args.smoke else 'tiny'}, {config.num_layers} layers; "
+          f"draft {draft_config.num_layers} layers; self {skip.config.num_layers} layers)",
+          flush=True)
+    results = []
+    for b in batches:
+        decode = step_ms(target, rows_at(b, args.prompt, 1, 0, ps, pages), args.reps)
+        verify = step_ms(target, rows_at(b, args.prompt, k + 1, k, ps, pages), args.reps)
+        r: dict[str, Any] = {"batch": b, "k": k, "decode_ms": decode, "verify_ms": verify,
+                             "verify_over_decode": verify / decode,
+                             "best_speedup": (k + 1) * decode / verify}
+        for name, eng in (("draft", draft), ("self", skip)):
+            costs = draft_costs(eng, b, args.prompt, k, args.reps, ps, pages)
+            r.update({f"{name}_{key}": v for key, v in costs.items()})
+            r[f"{name}_speedup_at_1"] = (k + 1) * decode / (verify + costs["round_ms"])
+        r.update(replay(target, config, rt_config, b, args.prompt, args.steps, k))
+        results.append(r)
+        print(json.dumps({key: round(v, 4) if isinstance(v, float) else v
+                          for key, v in r.items()}), flush=True)
+    print(f"\n{args.target if not args.smoke else 'tiny'} on {device}, K={k}, position "
+          f"{args.prompt}; steps launched and read back; ms")
+    print("| batch | decode | verify (K+1) | verify/decode | (a) replay tok/s vs plain | "
+          "acceptance | (b) draft step / catch-up / per token | (b) at acc. 1 | "
+          "(c) self step / catch-up / per token | (c) at acc. 1 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['batch']} | {r['decode_ms']:.2f} | {r['verify_ms']:.2f} | "
+              f"{r['verify_over_decode']:.2f}x | {r['replay_tok_s']:.0f} vs "
+              f"{r['plain_tok_s']:.0f} = {r['replay_speedup']:.2f}x | "
+              f"{r['replay_acceptance']:.2f} | {r['draft_step_ms']:.2f} / "
+              f"{r['draft_catch_up_ms']:.2f} / {r['draft_per_token_ms']:.2f} | "
+              f"{r['draft_speedup_at_1']:.2f}x | {r['self_step_ms']:.2f} / "
+              f"{r['self_catch_up_ms']:.2f} / {r['self_per_token_ms']:.2f} | "
+              f"{r['self_speedup_at_1']:.2f}x |")
+    print("(a) replays the plain run's continuation, or its own when a bf16 near-tie made the "
+          "verify step pick otherwise (replay_rounds, same_tokens_as_plain in the JSON)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"target": args.target, "draft": args.draft,
+                                               "device": str(device), "results": results},
+                                              indent=1))
+
+
+if __name__ == "__main__":
+    main()
