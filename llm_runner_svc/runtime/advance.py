@@ -22,7 +22,13 @@ from llm_runner_svc.engines.batch import Batch, Row
 from llm_runner_svc.errors import RunnerError
 from llm_runner_svc.runtime.config import RuntimeConfig
 from llm_runner_svc.runtime.kv import PagePool
-from llm_runner_svc.runtime.request import FinishReason, SeqStatus, SequenceState, StepEvent
+from llm_runner_svc.runtime.request import (
+    FinishReason,
+    RequestMetrics,
+    SeqStatus,
+    SequenceState,
+    StepEvent,
+)
 from llm_runner_svc.runtime.scheduler import Planned, Scheduler
 from llm_runner_svc.runtime.speculative import accept_greedy
 
@@ -56,6 +62,7 @@ class SequenceAdvance:
     _eos: frozenset[int]
     _lock: threading.Lock
     _seqs: dict[str, SequenceState]
+    spec_totals: RequestMetrics  # the speculative counts of every request since start
 
     @staticmethod
     def _event(events: dict[str, StepEvent], seq: SequenceState) -> StepEvent:
@@ -104,8 +111,11 @@ class SequenceAdvance:
             if seq.proposer is not None and tokens:
                 seq.proposer.roll_back(seq, end)  # the draft's KV past the accepted tokens
             if seq.proposer is not None and tokens and row.start >= len(seq.req.prompt_ids):
-                seq.metrics.target_steps += 1  # a decode row: one target forward
-                seq.metrics.verified_tokens += len(tokens)
+                for m in (seq.metrics, self.spec_totals):
+                    m.target_steps += 1  # a decode row: one target forward
+                    m.verified_tokens += len(tokens)
+                self.spec_totals.proposed_tokens += row.verify
+                self.spec_totals.accepted_tokens += len(tokens) - 1
             if seq.req.request_id in held:
                 seq.stash.append((tokens, hs, end))
             else:

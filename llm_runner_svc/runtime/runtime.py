@@ -35,6 +35,7 @@ from llm_runner_svc.runtime.prefix_cache import PrefixCache
 from llm_runner_svc.runtime.request import (
     FinishReason,
     GenerationRequest,
+    RequestMetrics,
     SequenceState,
     StepEvent,
 )
@@ -80,6 +81,7 @@ class InferenceRuntime(SequenceAdvance):
         self.scheduler = Scheduler(self.pages, config.max_batch, self.step_tokens, self.max_seq,
                                    self.prefix_cache)
         self._eos = frozenset(engine.config.eos_ids) | frozenset(tokenizer.eos_ids)
+        self.spec_totals = RequestMetrics()
         self._lock = threading.Lock()
         self._seqs: dict[str, SequenceState] = {}
         self._cancels: set[str] = set()

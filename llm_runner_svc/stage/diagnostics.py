@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_runner_svc.runtime.prefix_cache import PrefixCache
+from llm_runner_svc.runtime.request import RequestMetrics
 from llm_runner_svc.stage.admission import is_queued, tokens_in_flight
 from llm_runner_svc.stage.config import StageConfig
 from services.stage.slot import Slot
@@ -46,10 +47,11 @@ def slot_diagnostics(slot: Slot, config: StageConfig) -> dict[str, Any]:
     if run.metrics is not None:
         out["timings"] = run.metrics.as_dict()
         if run.metrics.target_steps:  # a speculative request
-            out.update({k: out["timings"][k] for k in (
-                "proposed_tokens", "accepted_tokens", "acceptance_rate",
-                "tokens_per_target_step")})
+            out.update({k: out["timings"][k] for k in SPEC_KEYS})
     return out
+
+
+SPEC_KEYS = ("proposed_tokens", "accepted_tokens", "acceptance_rate", "tokens_per_target_step")
 
 
 @dataclass(frozen=True)
@@ -80,11 +82,13 @@ class StageSnapshot:
     prefix_cache_pages: int = 0  # pages the prefix cache names (held or idle)
     prefix_cache_evictions: int = 0  # named pages taken back for new requests, since start
     prefix_cache_hidden_bytes: int = 0  # captured states kept beside cached pages
+    spec: RequestMetrics | None = None  # speculative counts since start (None: plain stage)
 
     @classmethod
     def build(cls, core: CoreSnapshot, config: StageConfig, slots: Sequence[Slot], *,
-              max_seq: int, num_waiting: int, **values: int) -> StageSnapshot:
-        return cls(stage_id=config.stage_id, core=core, num_waiting=num_waiting,
+              max_seq: int, num_waiting: int, spec: RequestMetrics | None = None,
+              **values: int) -> StageSnapshot:
+        return cls(stage_id=config.stage_id, core=core, num_waiting=num_waiting, spec=spec,
                    num_queued=sum(1 for s in slots if is_queued(s)) + num_waiting,
                    tokens_in_flight=tokens_in_flight(config, max_seq, slots),
                    max_queued=config.max_queued,
@@ -121,4 +125,6 @@ def stage_diagnostics(snap: StageSnapshot) -> dict[str, Any]:
         "prefix_cache_hidden_bytes": snap.prefix_cache_hidden_bytes,
         "queued": snap.num_queued, "tokens_in_flight": snap.tokens_in_flight,
         "max_queued": snap.max_queued, "max_tokens_in_flight": snap.max_tokens_in_flight,
+        **({} if snap.spec is None else {
+            f"spec_{k}": v for k, v in snap.spec.as_dict().items() if k in SPEC_KEYS}),
     }

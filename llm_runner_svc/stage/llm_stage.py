@@ -208,7 +208,8 @@ class LlmStage(StageCore):
             hidden_shm_bytes=pub.shm.num_bytes, admitting=self.tokenizer.num_pending,
             hidden_messages_published=pub.num_messages_published,
             hidden_bytes_published=pub.num_bytes_published, hidden_max_lag=pub.max_lag,
-            hidden_prompt_held_bytes=self.prompt_windows.num_bytes)
+            hidden_prompt_held_bytes=self.prompt_windows.num_bytes,
+            spec=rt.spec_totals if rt.config.spec is not None else None)
 
     async def subscribe(self, request_id: str | None, port: str, use_shm: bool
                         ) -> Subscriber:

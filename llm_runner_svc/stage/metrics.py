@@ -67,6 +67,12 @@ class StageMetrics:
                                             lambda s: s.prefix_cache_pages),
             "llmstage_prefix_cache_evictions": ("Cached pages evicted for new requests",
                                                 lambda s: s.prefix_cache_evictions),
+            "llmstage_spec_acceptance_rate": (
+                "Proposed tokens accepted over proposed, every speculative step so far",
+                lambda s: s.spec.acceptance_rate if s.spec is not None else 0.0),
+            "llmstage_spec_tokens_per_target_step": (
+                "Tokens per speculative target forward, every speculative step so far",
+                lambda s: s.spec.tokens_per_target_step if s.spec is not None else 0.0),
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(

@@ -412,6 +412,14 @@ def test_stage_speculates_with_a_layer_skip_draft_and_honours_disable_spec_decod
                 srv.stub.Diagnostics(pb.DiagnosticsRequest(slot_id=sid)).values)
             srv.stub.Reset(pb.ResetRequest(slot_id=sid))
             stream.half_close()
+        stage = MessageToDict(srv.stub.Diagnostics(pb.DiagnosticsRequest()).values)
+        metrics = srv.stage.metrics.registry.get_sample_value
+        rate = metrics("llmstage_spec_acceptance_rate")
     assert diags[1]["proposed_tokens"] > 0 and diags[1]["tokens_per_target_step"] > 1.0
     assert 0 < diags[1]["acceptance_rate"] <= 1.0
     assert "proposed_tokens" not in diags[2]
+    # stage-wide: the speculative request's counts alone (the plain one adds none)
+    for key in ("proposed_tokens", "accepted_tokens", "acceptance_rate",
+                "tokens_per_target_step"):
+        assert stage[f"spec_{key}"] == pytest.approx(diags[1][key], rel=1e-3), key
+    assert rate == pytest.approx(diags[1]["acceptance_rate"], rel=1e-3)
