@@ -7,7 +7,7 @@ from typing import Any
 
 from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.runtime import FinishReason, RequestMetrics
-from llm_runner_svc.stage import ChatTurn, StageRequest
+from llm_runner_svc.stage import ChatPart, ChatTurn, MediaItem, StageRequest
 from llm_runner_svc.stage.admission import Admission, Refusal
 from llm_runner_svc.stage.describe import StageDescription
 from llm_runner_svc.stage.hidden_messages import (
@@ -38,8 +38,8 @@ def request_from_pb(slot_id: int, req_pb: pb.GenerationRequest) -> StageRequest:
     return StageRequest(
         request_id=req_pb.request_id or f"slot-{slot_id}",
         text=req_pb.text if kind == "text" else None,
-        messages=tuple(ChatTurn(m.role, m.content) for m in req_pb.messages.messages)
-        if kind == "messages" else None,
+        messages=tuple(ChatTurn(m.role, m.content, tuple(_part(p) for p in m.parts))
+                       for m in req_pb.messages.messages) if kind == "messages" else None,
         token_ids=tuple(req_pb.token_ids.ids) if kind == "token_ids" else None,
         temperature=s.temperature if s.HasField("temperature") else None,
         top_k=s.top_k if s.HasField("top_k") else None,
@@ -47,12 +47,19 @@ def request_from_pb(slot_id: int, req_pb: pb.GenerationRequest) -> StageRequest:
         max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
         seed=s.seed if s.HasField("seed") else None,
         stop=tuple(req_pb.stop), logit_bias=dict(req_pb.logit_bias), lora=req_pb.lora,
-        ports=tuple(req_pb.ports), num_media=len(req_pb.media), ignore_eos=req_pb.ignore_eos,
-        disable_spec_decode=req_pb.disable_spec_decode,
+        ports=tuple(req_pb.ports),
+        media=tuple(MediaItem(m.mime_type, m.data) for m in req_pb.media),
+        ignore_eos=req_pb.ignore_eos, disable_spec_decode=req_pb.disable_spec_decode,
         cache_lookup=_policy(req_pb.context_cache_lookup_policy, pb.CacheLookupPolicy,
                              pb.CACHE_LOOKUP_POLICY_BYPASS),
         cache_generated=_policy(req_pb.context_cache_commit_policy, pb.CacheCommitPolicy,
                                 pb.CACHE_COMMIT_POLICY_PREFILL_STATE_ONLY))
+
+
+def _part(part_pb: pb.ChatPart) -> ChatPart:
+    if part_pb.WhichOneof("part") == "image":
+        return ChatPart(image=part_pb.image)
+    return ChatPart(text=part_pb.text)
 
 
 def _policy(value: int, enum: Any, off: int) -> bool:
@@ -68,7 +75,8 @@ def request_sizes(req_pb: pb.GenerationRequest) -> RequestSizes:
     """The counts Admit checks before converting the request (each O(1) on the message)."""
     return RequestSizes(num_stop=len(req_pb.stop), num_logit_bias=len(req_pb.logit_bias),
                         num_messages=len(req_pb.messages.messages),
-                        num_token_ids=len(req_pb.token_ids.ids), num_media=len(req_pb.media))
+                        num_token_ids=len(req_pb.token_ids.ids), num_media=len(req_pb.media),
+                        media_bytes=tuple(len(m.data) for m in req_pb.media))
 
 
 def admission_to_pb(adm: Admission) -> pb.AdmitResponse:

@@ -18,6 +18,24 @@ _REGISTRY: dict[str, str] = {
 }
 
 
+# The vision tower's forward on each engine's device (the numpy one on the host engines).
+_VISION: dict[str, str] = {
+    "torch": "llm_runner_svc.engines.torch_vision:TorchVision",
+}
+_HOST_VISION = "llm_runner_svc.engines.numpy_vision:NumpyVision"
+
+
+def create_vision(engine: Engine, vision: Any) -> Any:
+    """The vision tower of `vision` (models.vision.VisionModel) for the engine `engine`:
+    an object whose `encode(pixels [B, C, H, W] float32)` gives float32 host embeddings
+    [B, tokens_per_image, hidden]."""
+    module_name, cls_name = _VISION.get(engine.name, _HOST_VISION).split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    if cls_name == "NumpyVision":
+        return cls(vision.config, vision.weights)
+    return cls(vision.config, vision.weights, engine)
+
+
 def engine_names() -> list[str]:
     return sorted(_REGISTRY)
 

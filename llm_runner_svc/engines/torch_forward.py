@@ -10,8 +10,10 @@ also keep float32 activations (the fused products) depends on the rows: see `fus
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
 from llm_runner_svc.engines.torch_lora import TorchGroups, TorchLora
@@ -92,6 +94,16 @@ class Forward:
         """Residual rows 0..n-1 = embedding rows of ids [n]."""
         self.ops.embed(self.weights.embedding, ids, self.s.x[:n],
                        self.s.cap_emb[:n] if capture else None)
+
+    def override(self, overrides: Sequence[tuple[int, Any]], capture: bool) -> None:
+        """Residual rows that take given input embeddings ((first row, host float32 array
+        [k, hidden]) each: an image's) instead of their tokens'."""
+        for first, values in overrides:
+            rows = slice(first, first + len(values))
+            src = torch.from_numpy(np.ascontiguousarray(values))
+            self.s.x[rows].copy_(src, non_blocking=False)
+            if capture:
+                self.s.cap_emb[rows].copy_(src)
 
     def fuses(self, n: int, is_decode: bool) -> Callable[[torch.Tensor, int], bool]:
         """Which products of a forward of n rows run fused (`TritonOps.products`), as a
@@ -217,7 +229,7 @@ class Forward:
         self.ops.argmax(s.logits[:batch], s.next_ids[:batch])
 
     def prefill(self, layout: PrefillLayout, capture: bool,
-                lora: TorchGroups = ()) -> None:
+                lora: TorchGroups = (), overrides: Sequence[tuple[int, Any]] = ()) -> None:
         """Every chunk of a staged prefill batch: their k and v into the pool, causal
         attention over each chunk's pages, and each chunk's last residual row into
         `x_last` at its `dest` row (`head` turns those rows into logits). States of every
@@ -228,6 +240,7 @@ class Forward:
             self.ops.prefill_attention(qkv, s.k_pool[li], s.v_pool[li], layout, out)
 
         self.embed(layout.ids, n, capture)
+        self.override(overrides, capture)
         self.layers(n, layout.positions, layout.slots, attend, capture,
                     self.fuses(n, is_decode=False), lora)
         s.x_last.index_copy_(0, layout.dest, s.x[:n].index_select(0, layout.last))

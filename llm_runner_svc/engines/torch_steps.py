@@ -175,7 +175,10 @@ class TorchSteps(Engine):
             stager.check(chunks, plan.max_seq)
             lora = self._lora_groups([rows[seg.row] for seg in p.segments],
                                      [len(seg.tokens) for seg in p.segments])
-            graphs = None if lora else self.prefill_graphs
+            overrides = [(seg.offset + k, values) for seg in p.segments
+                         for k, values in seg.overrides()]
+            # rows on LoRA adapters or with image embeddings run eagerly: the graphs hold none
+            graphs = None if lora or overrides else self.prefill_graphs
             bucket = graphs.bucket_for(p.num_tokens) if graphs is not None else None
             if graphs is not None and bucket is not None:
                 layout = graphs.stage(chunks, bucket)
@@ -186,7 +189,7 @@ class TorchSteps(Engine):
             if graphs is not None and bucket is not None:
                 graphs.replay(bucket)
             else:
-                self.forward.prefill(layout, capture and p.capture, lora)
+                self.forward.prefill(layout, capture and p.capture, lora, overrides)
             self._verify_heads(p, rows, first)
             if capture and p.capture:
                 caps.add(p, _host_copy(s.cap_emb[:p.num_tokens]),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -27,7 +28,7 @@ class ChatTemplate:
         self._bos = bos_token
         self._eos = eos_token
 
-    def render(self, messages: Sequence[Mapping[str, str]],
+    def render(self, messages: Sequence[Mapping[str, Any]],
                add_generation_prompt: bool = True) -> str:
         if not messages:
             raise InvalidArgument("messages: at least one message is required")
@@ -35,8 +36,12 @@ class ChatTemplate:
             if m.get("role") not in _ROLES:
                 raise InvalidArgument(
                     f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {m.get('role')!r}")
-            if not isinstance(m.get("content"), str):
-                raise InvalidArgument(f"messages[{i}].content must be a string")
+            content = m.get("content")
+            if not isinstance(content, str) and not (isinstance(content, list) and all(
+                    isinstance(p, dict) and p.get("type") in ("text", "image")
+                    for p in content)):
+                raise InvalidArgument(f"messages[{i}].content must be a string or a list of "
+                                      "text and image parts")
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,

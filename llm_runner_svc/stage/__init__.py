@@ -6,8 +6,8 @@ No grpc here: the servicer translates the contract into calls on `LlmStage`.
 
 from llm_runner_svc.stage.config import StageConfig, load_stage_config
 from llm_runner_svc.stage.llm_stage import LlmStage
-from llm_runner_svc.stage.request import ChatTurn, StageRequest
+from llm_runner_svc.stage.request import ChatPart, ChatTurn, MediaItem, StageRequest
 from services.stage.slot import SlotState
 
-__all__ = ["ChatTurn", "LlmStage", "SlotState", "StageConfig", "StageRequest",
-           "load_stage_config"]
+__all__ = ["ChatPart", "ChatTurn", "LlmStage", "MediaItem", "SlotState", "StageConfig",
+           "StageRequest", "load_stage_config"]

@@ -26,6 +26,7 @@ class Refusal(Enum):
     PORT_UNAVAILABLE = "port_unavailable"
     TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
     NO_CHAT_TEMPLATE = "no_chat_template"
+    MEDIA_INVALID = "media_invalid"
 
 
 class Refused(Exception):
@@ -60,9 +61,10 @@ def check_request(config: StageConfig, model: Model, max_seq: int, req: StageReq
         known = f"it serves {names}" if names else "it loads no adapters"
         raise Refused(Refusal.UNKNOWN_ADAPTER,
                       f"LoRA adapter {req.lora!r} is unknown to this stage; {known}")
-    if req.num_media:
+    if req.num_media and model.vision is None:
         raise Refused(Refusal.MEDIA_UNSUPPORTED, f"the request carries {req.num_media} media "
-                      "item(s) and this stage has no perception engine")
+                      f"item(s) and this stage's model ({model.name}) is text-only: it has no "
+                      "vision tower")
     for port in req.ports:
         if port not in config.emits:
             raise Refused(Refusal.PORT_UNAVAILABLE, f"port {port!r} is not declared by this "
@@ -102,6 +104,10 @@ def check_counts(limits: RequestLimits, max_seq: int, sizes: RequestSizes) -> No
     if sizes.num_media > limits.max_media_parts:
         raise Refused(Refusal.MEDIA_UNSUPPORTED, f"the request has {sizes.num_media} media "
                       f"parts; the limit is {limits.max_media_parts} (maxMediaParts)")
+    for i, size in enumerate(sizes.media_bytes):
+        if size > limits.max_media_bytes:
+            raise Refused(Refusal.MEDIA_INVALID, f"media[{i}] holds {size} bytes; the limit "
+                          f"is {limits.max_media_bytes} (maxMediaBytes)")
 
 
 def check_limits(limits: RequestLimits, max_seq: int, req: StageRequest) -> None:
@@ -122,7 +128,7 @@ def tokenize(model: Model, req: StageRequest) -> tuple[int, ...]:
     if req.messages is not None:
         assert model.chat_template is not None
         text = model.chat_template.render(
-            [{"role": m.role, "content": m.content} for m in req.messages])
+            [{"role": m.role, "content": m.template_content()} for m in req.messages])
         return tuple(tok.encode(text, add_bos=False))
     assert req.text is not None
     return tuple(tok.encode(req.text, add_bos=tok.default_add_bos()))
@@ -197,4 +203,5 @@ def build_runtime_request(runtime: InferenceRuntime, slot: Slot,
         slot.runtime_id, slot.admitted, sampling, stop=req.stop, capture_hidden=req.wants_hidden,
         ignore_eos=req.ignore_eos, label=req.request_id, cache_lookup=req.cache_lookup,
         cache_generated=req.cache_generated, adapter=adapter,
-        disable_spec_decode=req.disable_spec_decode), seed)
+        disable_spec_decode=req.disable_spec_decode,
+        embeds=getattr(slot.admitted, "embeds", ())), seed)

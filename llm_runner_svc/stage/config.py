@@ -29,6 +29,7 @@ from llm_runner_svc.runtime.speculative import SpecConfig
 from llm_runner_svc.stage.limits import KEYS as LIMIT_KEYS
 from llm_runner_svc.stage.limits import RequestLimits, parse_limits
 from llm_runner_svc.stage.runner_keys import ConfigError, check_runner_keys
+from llm_runner_svc.stage.visual_pruning import PruningConfig
 
 RUNNER = "llm.backbone"
 _BUILTIN = ("stories260K", "smollm2")
@@ -75,6 +76,10 @@ class StageConfig:
     lora_adapters: tuple[tuple[str, str], ...] = ()  # config.lora_adapters: (name, directory);
     # a request's `lora` k-th name runs on the engine's adapter k + 1
 
+    multimodal_artifact: str = ""  # config.multimodal_artifact: the vision tower's directory
+    # ("" = the artifact's own, when it is a vision-language model)
+    encoder_cache_bytes: int = 0  # config.context_cache.encoder_cache_budget_bytes (0 = off)
+    visual_pruning: PruningConfig | None = None  # config.visual_pruning; None = every token
     engine_dir: str = ""  # a build-engine directory the engine loads its plan from
     runtime_cache: str = ""  # the tensorrt engine's runtime cache file (read at start, saved)
     device: str = ""  # the torch engine's device ("cpu", "cuda", "cuda:N"); "" = GPU if any
@@ -196,6 +201,11 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
         raise ConfigError(f"ports.hidden.{unknown_port_keys[0]}: unknown key (valid: "
                           f"{sorted(_PORT_KEYS)})")
     adapters = _adapter_dirs(artifact, base, cfg.get("lora_adapters", {}))
+    multimodal = cfg.get("multimodal_artifact", "")
+    if multimodal and not Path(multimodal).is_absolute():
+        root = base if artifact in _BUILTIN else Path(artifact)
+        multimodal = str((root.parent if root.is_file() else root) / multimodal)
+    pruning = cfg.get("visual_pruning")
     if checkpoint:
         artifact = str(Path(artifact) / checkpoint) if artifact not in _BUILTIN else checkpoint
     return StageConfig(
@@ -219,6 +229,9 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
         prefix_cache=bool(cache.get("enable_reuse", False)),
         prefix_cache_records=cache.get("max_records", 0),
         prefix_cache_snapshots=cache.get("max_snapshots", 0), lora_adapters=adapters,
+        multimodal_artifact=multimodal,
+        encoder_cache_bytes=cache.get("encoder_cache_budget_bytes", 0),
+        visual_pruning=PruningConfig.from_keys(pruning) if pruning is not None else None,
         spec=_spec_config(cfg.get("spec_decode"), _draft_path(cfg, artifact, base)))
 
 

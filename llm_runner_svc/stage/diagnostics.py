@@ -37,6 +37,9 @@ def slot_diagnostics(slot: Slot, config: StageConfig) -> dict[str, Any]:
     }
     if run.error:
         out["error"] = run.error
+    media = getattr(slot.admitted, "media", None)
+    if media is not None and media.num_images:
+        out["media"] = media.as_dict()
     if slot.request.wants_hidden:
         out["hidden_windows"] = tel.num_hidden_windows
         out["hidden_states_crc32"] = tel.hidden_crc32
@@ -83,6 +86,11 @@ class StageSnapshot:
     prefix_cache_evictions: int = 0  # named pages taken back for new requests, since start
     prefix_cache_hidden_bytes: int = 0  # captured states kept beside cached pages
     spec: RequestMetrics | None = None  # speculative counts since start (None: plain stage)
+    encoder_cache_entries: int = 0  # images whose embeddings the encoder cache holds
+    encoder_cache_bytes: int = 0  # and their bytes (at most encoder_cache_budget_bytes)
+    encoder_cache_hits: int = 0  # images served from it, since start
+    encoder_cache_evictions: int = 0  # entries dropped for the budget, since start
+    images_encoded: int = 0  # images run through the vision tower, since start
 
     @classmethod
     def build(cls, core: CoreSnapshot, config: StageConfig, slots: Sequence[Slot], *,
@@ -105,6 +113,20 @@ def prefix_cache_values(cache: PrefixCache | None) -> dict[str, int]:
             "prefix_cache_hidden_bytes": st.hidden_bytes}
 
 
+def encoder_values(images: Any) -> dict[str, int]:
+    """The snapshot's images fields (zeros without a vision tower): `images` is the stage's
+    ImageEncoder or None."""
+    if images is None:
+        return {}
+    out = {"images_encoded": images.num_encoded}
+    cache = images.cache
+    if cache is not None:
+        out |= {"encoder_cache_entries": len(cache), "encoder_cache_bytes": cache.num_bytes,
+                "encoder_cache_hits": cache.stats.hits,
+                "encoder_cache_evictions": cache.stats.evictions}
+    return out
+
+
 def stage_diagnostics(snap: StageSnapshot) -> dict[str, Any]:
     """Stage-wide Diagnostics (no slot)."""
     return {
@@ -123,6 +145,11 @@ def stage_diagnostics(snap: StageSnapshot) -> dict[str, Any]:
         "prefix_cache_pages": snap.prefix_cache_pages,
         "prefix_cache_evictions": snap.prefix_cache_evictions,
         "prefix_cache_hidden_bytes": snap.prefix_cache_hidden_bytes,
+        "encoder_cache_entries": snap.encoder_cache_entries,
+        "encoder_cache_bytes": snap.encoder_cache_bytes,
+        "encoder_cache_hits": snap.encoder_cache_hits,
+        "encoder_cache_evictions": snap.encoder_cache_evictions,
+        "images_encoded": snap.images_encoded,
         "queued": snap.num_queued, "tokens_in_flight": snap.tokens_in_flight,
         "max_queued": snap.max_queued, "max_tokens_in_flight": snap.max_tokens_in_flight,
         **({} if snap.spec is None else {

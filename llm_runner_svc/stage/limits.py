@@ -3,9 +3,11 @@
 Stage keys (all optional, integers): `maxPromptBytes` (text or chat content, in UTF-8 bytes; 0,
 the default, is maxSeq x PROMPT_BYTES_PER_TOKEN), `maxStopStrings`, `maxStopBytes` (summed over
 the stop strings), `maxLogitBias` (entries), `maxMessages` (chat turns), `maxMediaParts`,
-`maxRequestIdBytes`. A prompt over its byte limit or a request id over its length is malformed
-(INVALID_ARGUMENT) and is refused before tokenizing; the other limits are refusals
-(admitted=false with a reason), like a sampling value out of range.
+`maxMediaBytes` (one item's encoded bytes, refused before anything decodes it),
+`maxImagePixels` (one decoded image's width x height), `maxRequestIdBytes`. A prompt over its
+byte limit or a request id over its length is malformed (INVALID_ARGUMENT) and is refused
+before tokenizing; the other limits are refusals (admitted=false with a reason), like a
+sampling value out of range.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ KEYS: dict[str, tuple[str, int]] = {
     "maxLogitBias": ("max_logit_bias", 0),
     "maxMessages": ("max_messages", 1),
     "maxMediaParts": ("max_media_parts", 0),
+    "maxMediaBytes": ("max_media_bytes", 1),
+    "maxImagePixels": ("max_image_pixels", 1),
     "maxRequestIdBytes": ("max_request_id_bytes", 1),
 }
 
@@ -43,6 +47,8 @@ class RequestLimits:
     max_messages: int = 256
     max_media_parts: int = 16
     max_request_id_bytes: int = 256
+    max_media_bytes: int = 8 << 20
+    max_image_pixels: int = 4096 * 4096
 
     def __post_init__(self) -> None:
         for key, (name, low) in KEYS.items():
@@ -65,12 +71,14 @@ class RequestSizes:
     num_messages: int = 0
     num_token_ids: int = 0
     num_media: int = 0
+    media_bytes: tuple[int, ...] = ()  # each media item's encoded size
 
     @classmethod
     def of(cls, req: StageRequest) -> RequestSizes:
         return cls(len(req.stop), len(req.logit_bias),
                    len(req.messages) if req.messages is not None else 0,
-                   len(req.token_ids) if req.token_ids is not None else 0, req.num_media)
+                   len(req.token_ids) if req.token_ids is not None else 0, req.num_media,
+                   tuple(len(m.data) for m in req.media))
 
 
 def parse_limits(raw: Mapping[str, Any]) -> RequestLimits:
@@ -88,7 +96,7 @@ def check_malformed(limits: RequestLimits, max_seq: int, req: StageRequest) -> N
             raise InvalidArgument(f"prompt text has {size} bytes; the limit is {limit} "
                                   "(maxPromptBytes)")
     if req.messages is not None:
-        size = sum(len(m.content.encode()) for m in req.messages[:limits.max_messages + 1])
+        size = sum(m.num_bytes for m in req.messages[:limits.max_messages + 1])
         if size > limit:
             raise InvalidArgument(f"chat messages hold {size} bytes of content; the limit is "
                                   f"{limit} (maxPromptBytes)")

@@ -14,14 +14,16 @@ from typing import Any, cast
 
 from opentelemetry.trace import Status, StatusCode
 
-from llm_runner_svc.engines import create_engine
+from llm_runner_svc.engines import create_engine, create_vision
 from llm_runner_svc.engines.drafts import create_draft_engine
-from llm_runner_svc.errors import RunnerError
+from llm_runner_svc.errors import RunnerError, Unimplemented
 from llm_runner_svc.models import Model, load_model
 from llm_runner_svc.models.lora import load_adapter
 from llm_runner_svc.runtime import FinishReason, InferenceRuntime, StepEvent
+from llm_runner_svc.runtime.encoder_cache import EncoderCache
 from llm_runner_svc.stage.admission import (
     Admission,
+    Refusal,
     Refused,
     build_runtime_request,
     check_counts,
@@ -34,11 +36,14 @@ from llm_runner_svc.stage.config import StageConfig
 from llm_runner_svc.stage.describe import StageDescription, describe
 from llm_runner_svc.stage.diagnostics import (
     StageSnapshot,
+    encoder_values,
     prefix_cache_values,
     slot_diagnostics,
     stage_diagnostics,
 )
 from llm_runner_svc.stage.faults import runtime_factory_from_env
+from llm_runner_svc.stage.images import ImageEncoder
+from llm_runner_svc.stage.images import Refusal as ImageRefusal
 from llm_runner_svc.stage.limits import RequestSizes
 from llm_runner_svc.stage.metrics import StageMetrics
 from llm_runner_svc.stage.publish import HiddenPublisher, Subscriber
@@ -73,6 +78,15 @@ class LlmStage(StageCore):
                 config.max_shm_subscriptions, config.max_shm_bytes))
         self.prompt_windows = PromptWindows()  # prompts prefilled in part, held back
         self.tokenizer = TokenizeWorker()
+        self.images: ImageEncoder | None = None  # a vision-language model's images path
+        if config.visual_pruning is not None and model.vision is None:
+            raise Unimplemented(f"config.visual_pruning: cannot be honoured: model "
+                                f"{model.name} has no vision tower")
+        if model.vision is not None:
+            cache = EncoderCache(config.encoder_cache_bytes) \
+                if config.encoder_cache_bytes else None
+            self.images = ImageEncoder(model, create_vision(runtime.engine, model.vision),
+                                       config.limits, cache, config.visual_pruning)
         self.metrics = StageMetrics(self.snapshot)
         self._tasks: set[asyncio.Task[None]] = set()  # port ends and closes sent on the side
 
@@ -82,7 +96,7 @@ class LlmStage(StageCore):
                runtime_factory: RuntimeFactory | None = None) -> LlmStage:
         """Load the model and build the engine and the runtime (by `runtime_factory`; by
         default the plain runtime, or the faulty one when LLM_RUNNER_FAULTS asks for it)."""
-        model = load_model(config.artifact)
+        model = load_model(config.artifact, config.multimodal_artifact or None)
         options: dict[str, Any] = dict(config.engine_options())
         if config.lora_adapters:  # refused here, naming the file, when one does not fit
             options["adapters"] = [load_adapter(name, Path(path), model.config)
@@ -157,7 +171,9 @@ class LlmStage(StageCore):
         self.tokenizer.claim(slot_id)
         try:
             check_request(self.config, self.model, self.runtime.max_seq, request, num_live)
-            prompt_ids = await self.tokenizer.run(lambda: tokenize(self.model, request))
+            if self.images is not None:
+                self.images.check_types(request)
+            prompt_ids = await self.tokenizer.run(lambda: self._tokenize(request))
             self.check_admit(slot_id)  # the stage may have begun to drain meanwhile
             check_prompt(self.model, self.runtime, prompt_ids)
             check_load(self.config, self.runtime.max_seq, self.slots, self.runtime.num_waiting,
@@ -170,9 +186,17 @@ class LlmStage(StageCore):
                 self.hidden.request_started(request.request_id)
         except Refused as refused:
             return Admission(False, refused.refusal, refused.reason)
+        except ImageRefusal as refused:
+            return Admission(False, Refusal.MEDIA_INVALID, str(refused))
         finally:
             self.tokenizer.release(slot_id)
         return Admission(True, prompt_tokens=len(prompt_ids))
+
+    def _tokenize(self, request: StageRequest) -> tuple[int, ...]:
+        """The prompt's token ids; with a vision tower, its images encoded and placed
+        (images.py). Runs on the worker thread."""
+        ids = tokenize(self.model, request)
+        return self.images.admit(request, ids) if self.images is not None else ids
 
     def prepare(self, slot_id: int, call_ctx: Any = None) -> Slot:
         slot = super().prepare(slot_id, call_ctx)
@@ -202,7 +226,7 @@ class LlmStage(StageCore):
         return StageSnapshot.build(
             self.core_snapshot(), self.config, list(self.slots), max_seq=rt.max_seq,
             kv_pages_total=rt.pages.num_pages, kv_pages_free=rt.pages.num_free,
-            **prefix_cache_values(rt.prefix_cache),
+            **prefix_cache_values(rt.prefix_cache), **encoder_values(self.images),
             num_running=rt.num_running, num_waiting=rt.num_waiting,
             hidden_subscriptions=pub.num_subscriptions, hidden_shm_rings=pub.shm.num_rings,
             hidden_shm_bytes=pub.shm.num_bytes, admitting=self.tokenizer.num_pending,

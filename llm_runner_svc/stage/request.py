@@ -18,9 +18,38 @@ PORTS = ("text", "tokens", "hidden")
 
 
 @dataclass(frozen=True)
+class ChatPart:
+    """A piece of a chat message: text, or the image `image` (an index into the media)."""
+
+    text: str | None = None
+    image: int | None = None
+
+
+@dataclass(frozen=True)
 class ChatTurn:
     role: str
     content: str
+    parts: tuple[ChatPart, ...] = ()  # the content as parts (then `content` is unused)
+
+    def template_content(self) -> str | list[dict[str, str]]:
+        """What the chat template sees: the text, or the parts as transformers writes them
+        ({"type": "text", "text": ...} and {"type": "image"})."""
+        if not self.parts:
+            return self.content
+        return [{"type": "image"} if p.image is not None else {"type": "text", "text": p.text or ""}
+                for p in self.parts]
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self.content.encode()) + sum(len((p.text or "").encode()) for p in self.parts)
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """An encoded media item as the caller sent it."""
+
+    mime_type: str
+    data: bytes
 
 
 @dataclass(frozen=True)
@@ -38,7 +67,7 @@ class StageRequest:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     lora: str = ""
     ports: tuple[str, ...] = ()
-    num_media: int = 0
+    media: tuple[MediaItem, ...] = ()
     ignore_eos: bool = False
     disable_spec_decode: bool = False  # decode plainly on a speculative stage
     cache_lookup: bool = True  # reuse a cached prefix (context_cache_lookup_policy)
@@ -78,6 +107,23 @@ class StageRequest:
         for port in self.ports:
             if not port:
                 raise InvalidArgument("ports holds an empty name")
+        placed = [p.image for m in self.messages or () for p in m.parts if p.image is not None]
+        for index in placed:
+            if index >= len(self.media):
+                raise InvalidArgument(f"a chat part names image {index}; the request carries "
+                                      f"{len(self.media)} media items")
+        if len(set(placed)) != len(placed):
+            raise InvalidArgument("a chat conversation places one image twice")
+
+    @property
+    def num_media(self) -> int:
+        return len(self.media)
+
+    def image_order(self) -> list[int]:
+        """The media items in the order the prompt places them: as the chat parts name
+        them, else in the order given."""
+        placed = [p.image for m in self.messages or () for p in m.parts if p.image is not None]
+        return placed if placed else list(range(len(self.media)))
 
     @property
     def wants_hidden(self) -> bool:

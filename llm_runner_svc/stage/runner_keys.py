@@ -203,11 +203,9 @@ class _Unhonoured:
 # Keys this build cannot honour: a value that asks for the feature is refused, an "off" value
 # (an empty adapter table, reuse disabled, false) is accepted.
 UNHONOURED: Mapping[str, _Unhonoured] = {
-    "multimodal_artifact": _Unhonoured("no perception engine in this build"),
     "spec_decode": _Unhonoured(
         "linear proposal chains only: no tree drafting (draft_top_k > 1), no "
         "dspark_w2_backend, no dspark_scheduler 'sps'", lambda v: not is_linear_chain(v)),
-    "visual_pruning": _Unhonoured("no perception engine in this build"),
     "ple": _Unhonoured("per-layer embeddings are not in this build"),
     "offload_embedding": _Unhonoured("only false is supported", bool),
 }

@@ -21,7 +21,7 @@ REFUSED = [
      "600"),
     ("lora", dict(text="Hi", lora="french"), pb.REFUSAL_UNKNOWN_ADAPTER, "french"),
     ("media", dict(text="Hi", media=[pb.MediaPart(mime_type="image/png", data=b"\x89PNG")]),
-     pb.REFUSAL_MEDIA_UNSUPPORTED, "perception"),
+     pb.REFUSAL_MEDIA_UNSUPPORTED, "text-only"),
     ("hidden", dict(text="Hi", ports=["hidden"]), pb.REFUSAL_PORT_UNAVAILABLE, "hidden"),
     ("audio", dict(text="Hi", ports=["audio"]), pb.REFUSAL_PORT_UNAVAILABLE, "audio"),
     ("vocab", dict(token_ids=[1, 600]), pb.REFUSAL_TOKEN_OUT_OF_VOCAB, "600"),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from llm_runner_svc.errors import InvalidArgument, ResourceExhausted
-from llm_runner_svc.stage import ChatTurn, StageRequest, load_stage_config
+from llm_runner_svc.stage import ChatTurn, MediaItem, StageRequest, load_stage_config
 from llm_runner_svc.stage.admission import Refusal, Refused, check_limits
 from llm_runner_svc.stage.limits import PROMPT_BYTES_PER_TOKEN, RequestLimits, check_malformed
 from llm_runner_svc.stage.runner_keys import ConfigError
@@ -62,7 +62,7 @@ def test_prompt_byte_limit_defaults_to_max_seq_times_bytes_per_token() -> None:
     (dict(stop=("abcdef", "ghijk")), Refusal.SAMPLING_OUT_OF_RANGE, "11 bytes; the limit is 10"),
     (dict(logit_bias={1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}), Refusal.SAMPLING_OUT_OF_RANGE,
      "maxLogitBias"),
-    (dict(num_media=1), Refusal.MEDIA_UNSUPPORTED, "maxMediaParts"),
+    (dict(media=(MediaItem("image/png", b"x"),)), Refusal.MEDIA_UNSUPPORTED, "maxMediaParts"),
 ])
 def test_limits_beyond_are_refusals_naming_the_key(kw: dict, refusal: Refusal,
                                                    needle: str) -> None:

@@ -11,6 +11,7 @@ import pytest
 from llm_runner_svc.engines import engine_names
 from llm_runner_svc.errors import RunnerError
 from llm_runner_svc.stage.config import ConfigError, StageConfig, load_stage_config
+from llm_runner_svc.stage.visual_pruning import PruningConfig
 
 BASE = {"id": "thinker", "runner": "llm.backbone", "artifact": "stories260K",
         "engine": "numpy", "emits": ["text", "tokens"], "inputs": ["request:text"],
@@ -121,8 +122,7 @@ def test_unknown_engine_lists_the_valid_ones(tmp_path):
 
 @pytest.mark.parametrize("key, value", [
     ("spec_decode", {"draft_top_k": 4, "dspark_scheduler": "sps"}),
-    ("multimodal_artifact", "v"),
-    ("visual_pruning", {"algorithm": "dart", "reduction_ratio": 0.25}),
+    ("visual_pruning", {"algorithm": "fastv", "reduction_ratio": 0.25}),
     ("ple", {"file": "ple.bin", "residency": "host", "cache_slots": 64}),
     ("runtime_cache", "c"),
     ("offload_embedding", True),
@@ -131,6 +131,19 @@ def test_keys_this_build_cannot_honour_are_unimplemented(tmp_path, key, value):
     exc = _raises(tmp_path, _with_config(**{key: value}))
     assert exc.code == "UNIMPLEMENTED"
     assert f"config.{key}" in exc.message
+
+
+def test_multimodal_keys_are_read(tmp_path):
+    (tmp_path / "m").mkdir()
+    stage = _with_config(multimodal_artifact="../vision", visual_pruning={
+        "algorithm": "dart", "reduction_ratio": 0.25, "min_visual_tokens": 3,
+        "pivot_image_tokens": 2, "pivot_text_tokens": 0},
+        context_cache={"encoder_cache_budget_bytes": 1 << 20})
+    stage["artifact"] = "m"
+    cfg = load_stage_config(_write(tmp_path, {"stages": [stage]}))
+    assert cfg.multimodal_artifact == str(tmp_path / "m" / "../vision")
+    assert cfg.encoder_cache_bytes == 1 << 20
+    assert cfg.visual_pruning == PruningConfig(0.25, 3, 2, 0)
 
 
 def test_lora_adapter_paths_are_relative_to_the_artifact(tmp_path):

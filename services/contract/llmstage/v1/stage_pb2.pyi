@@ -37,6 +37,7 @@ class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REFUSAL_PORT_UNAVAILABLE: _ClassVar[Refusal]
     REFUSAL_TOKEN_OUT_OF_VOCAB: _ClassVar[Refusal]
     REFUSAL_NO_CHAT_TEMPLATE: _ClassVar[Refusal]
+    REFUSAL_MEDIA_INVALID: _ClassVar[Refusal]
 
 class CacheLookupPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -81,6 +82,7 @@ REFUSAL_MEDIA_UNSUPPORTED: Refusal
 REFUSAL_PORT_UNAVAILABLE: Refusal
 REFUSAL_TOKEN_OUT_OF_VOCAB: Refusal
 REFUSAL_NO_CHAT_TEMPLATE: Refusal
+REFUSAL_MEDIA_INVALID: Refusal
 CACHE_LOOKUP_POLICY_UNSPECIFIED: CacheLookupPolicy
 CACHE_LOOKUP_POLICY_USE_CACHE: CacheLookupPolicy
 CACHE_LOOKUP_POLICY_BYPASS: CacheLookupPolicy
@@ -168,13 +170,23 @@ class DescribeResponse(_message.Message):
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, contract_version: _Optional[str] = ..., stage_id: _Optional[str] = ..., runner: _Optional[str] = ..., emits: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., inputs: _Optional[_Iterable[str]] = ..., max_batch: _Optional[int] = ..., max_seq: _Optional[int] = ..., max_step_window: _Optional[int] = ..., engine: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class ChatPart(_message.Message):
+    __slots__ = ("text", "image")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image: int
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[int] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "parts")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[ChatPart]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ChatPart, _Mapping]]] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
     __slots__ = ("messages",)
