@@ -124,3 +124,26 @@ def test_greedy_tokens_match(llava: tuple[Any, Any, str], num_images: int) -> No
     ours = [t for ev in rt.generate(req) for t in ev.token_ids]
     rt.close()
     assert ours == ref
+
+
+def test_torch_cpu_tower_and_prefill_match(llava: tuple[Any, Any, str]) -> None:
+    """The torch engine (CPU, float32): its vision tower and a prompt with two images."""
+    from llm_runner_svc.engines.torch_engine import TorchEngine
+    from llm_runner_svc.engines.torch_vision import TorchVision
+
+    model, tm, _ = llava
+    vc = model.vision.config
+    engine = TorchEngine(model.config, model.weights, device="cpu")
+    pixels = _pixels(2, seed=5)
+    feats = TorchVision(vc, model.vision.weights, engine).encode(pixels)
+    _close(feats, NumpyVision(vc, model.vision.weights).encode(pixels), "torch tower")
+    ids = _prompt(model, 2)
+    starts = image_starts(ids, IMAGE_TOKEN_ID, [vc.tokens_per_image] * 2)
+    spans = tuple(EmbedSpan(s, f) for s, f in zip(starts, feats, strict=True))
+    engine.preallocate(EnginePlan(max_batch=2, max_seq=128, page_size=8, num_pages=16,
+                                  prefill_chunk=32, step_tokens=32))
+    pages = list(range(16))
+    engine.read(engine.launch(Batch((Row(tuple(ids), 0, pages, embeds=spans),),
+                                    keep_logits=True)))
+    _close(engine.logits(1)[0], _theirs(tm, ids, pixels)[-1], "torch prefill")
+    engine.close()
