@@ -23,6 +23,7 @@ from stage_harness import StageServer, make_request
 from vlm_fixtures import IMAGE_TOKEN_ID, build_llava
 
 from llm_runner_svc.stage import MediaItem, StageConfig, StageRequest
+from llm_runner_svc.stage.visual_pruning import PruningConfig
 from services.contract.llmstage.v1 import stage_pb2 as pb
 
 TOKENS = 8
@@ -181,3 +182,23 @@ def test_a_hundred_megabyte_image_is_refused_before_decoding(server: StageServer
     adm = server.run(server.stage.admit(11, req))
     assert not adm.is_admitted and "maxMediaBytes" in adm.reason
     assert server.wait_idle()["slots"] == 0
+
+
+def test_budget_and_pruning_on_a_stream_of_distinct_images(llava: tuple[Path, Any]) -> None:
+    """Each image's embeddings take 16 x 64 float32 = 4,096 bytes; the budget holds two.
+    Pruning at ratio 0.5 keeps 8 of each image's 16 tokens."""
+    cfg = StageConfig(artifact=str(llava[0]), max_batch=2, max_seq=256,
+                      encoder_cache_bytes=10_000,
+                      visual_pruning=PruningConfig(0.5, 1, 2, 2))
+    with StageServer(cfg) as srv:
+        for i in range(6):
+            tokens, diag = _run(srv, 20 + i, make_request(
+                text="<image> What is it?", temperature=0.0, max_tokens=2,
+                media=_media(png(100 + i))))
+            assert len(tokens) == 2
+            assert diag["media"]["visual_tokens_before"] == 16
+            assert diag["media"]["visual_tokens_after"] == 8
+            stats = srv.wait_idle()
+            assert stats["encoder_cache_bytes"] <= 10_000
+        assert stats["encoder_cache_entries"] == 2 and stats["encoder_cache_evictions"] == 4
+        assert stats["images_encoded"] == 6
