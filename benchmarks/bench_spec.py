@@ -9,7 +9,7 @@ the outputs are identical. The runs are interleaved over several rounds and the 
 taken, since the host's load drifts.
 
 Usage: python benchmarks/bench_spec.py [--model smollm2] [--engine numpy] [--k 4,6,8]
-       [--max-tokens 160] [--rounds 3] [--ignore-eos]
+       [--self N:K,...] [--max-tokens 160] [--rounds 3] [--ignore-eos]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import statistics
 import time
 
 from llm_runner_svc.engines import create_engine
+from llm_runner_svc.engines.drafts import create_draft_engine
 from llm_runner_svc.models import load_model
 from llm_runner_svc.runtime import (
     GenerationRequest,
@@ -39,8 +40,11 @@ TASK = f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}"
 
 def run(model, engine_name: str, spec: SpecConfig | None, max_tokens: int,
         ignore_eos: bool = False) -> dict:
-    rt = InferenceRuntime(create_engine(engine_name, model.config, model.weights),
-                          model.tokenizer, RuntimeConfig(max_batch=1, max_seq=1024, spec=spec))
+    engine = create_engine(engine_name, model.config, model.weights)
+    draft = None if spec is None else create_draft_engine(
+        spec.method, engine_name, model, engine, spec.draft_layers, spec.draft_checkpoint)
+    rt = InferenceRuntime(engine, model.tokenizer,
+                          RuntimeConfig(max_batch=1, max_seq=1024, spec=spec), draft)
     rt.preallocate()
     try:
         if model.chat_template is not None:
@@ -73,12 +77,17 @@ def main() -> None:
     ap.add_argument("--k", default="4,6,8")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--self", default="", metavar="N:K,...",
+                    help="also the model's first N layers as the draft, proposing K")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     model = load_model(args.model)
     run(model, args.engine, None, 8)  # warm-up: first-call costs stay out of the figures
     specs: list[tuple[str, SpecConfig | None]] = [("plain", None)]
     specs += [(f"ngram K={k}", SpecConfig(proposal_tokens=int(k))) for k in args.k.split(",")]
+    for item in filter(None, args.self.split(",")):
+        n, k = (int(v) for v in item.split(":"))
+        specs.append((f"self N={n} K={k}", SpecConfig("self", k, draft_layers=n)))
     results: dict[str, list[dict]] = {name: [] for name, _ in specs}
     for _ in range(args.rounds):  # interleaved, so drift in the machine's load hits all alike
         for name, spec in specs:
