@@ -12,7 +12,10 @@ than silently ignored. Extensions beyond OpenAI are top-level keys (what the `op
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +64,10 @@ class Call:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
-    messages: tuple[tuple[str, str], ...] | None = None  # (role, content), oldest first
+    # (role, content), oldest first; content with images is parts: text (str) and images
+    # (int, an index into `images`)
+    messages: tuple[tuple[str, str | tuple[str | int, ...]], ...] | None = None
+    images: tuple[tuple[str, bytes], ...] = ()  # (MIME type, encoded bytes) of image_url parts
     sampling: Sampling = field(default_factory=Sampling)
     stop: tuple[str, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -79,8 +85,9 @@ def parse_chat(body: Any) -> Call:
     max_tokens = _opt_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", 1)
-    return Call(kind="chat", messages=_messages(body.get("messages")),
-                **_common(body, max_tokens))
+    images: list[tuple[str, bytes]] = []
+    return Call(kind="chat", messages=_messages(body.get("messages"), images),
+                images=tuple(images), **_common(body, max_tokens))
 
 
 def parse_completion(body: Any) -> Call:
@@ -143,7 +150,8 @@ def _refuse_unsupported(body: dict[str, Any], table: dict[str, tuple[Any, ...]])
             raise BadField(key, f"{key} is not supported by this server")
 
 
-def _messages(value: Any) -> tuple[tuple[str, str], ...]:
+def _messages(value: Any, images: list[tuple[str, bytes]]
+              ) -> tuple[tuple[str, str | tuple[str | int, ...]], ...]:
     if not isinstance(value, list) or not value:
         raise BadField("messages", "messages must be a non-empty list")
     out = []
@@ -155,23 +163,48 @@ def _messages(value: Any) -> tuple[tuple[str, str], ...]:
         if role is None:
             raise BadField(f"{where}.role", f"{where}.role must be one of "
                            f"{', '.join(sorted(_ROLES))}, got {msg.get('role')!r}")
-        out.append((role, _content(msg.get("content"), f"{where}.content")))
+        out.append((role, _content(msg.get("content"), f"{where}.content", images)))
     return tuple(out)
 
 
-def _content(value: Any, where: str) -> str:
-    """A message's text: a string, or a list of text parts joined."""
+def _content(value: Any, where: str, images: list[tuple[str, bytes]]
+             ) -> str | tuple[str | int, ...]:
+    """A message's content: a string, text parts joined, or (with image_url parts) its
+    parts, each image appended to `images` and named by its index there."""
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        parts = []
-        for part in value:
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise BadField(where, f"{where}: only text parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise BadField(where, f"{where} must be a string or a list of text parts")
+        parts: list[str | int] = []
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif kind == "image_url":
+                images.append(_data_url(part.get("image_url"), f"{where}[{i}].image_url"))
+                parts.append(len(images) - 1)
+            else:
+                raise BadField(where, f"{where}: only text and image_url parts are supported")
+        if all(isinstance(p, str) for p in parts):
+            return "".join(p for p in parts if isinstance(p, str))
+        return tuple(parts)
+    raise BadField(where, f"{where} must be a string or a list of text and image_url parts")
+
+
+def _data_url(value: Any, where: str) -> tuple[str, bytes]:
+    """An image_url's `url` as (MIME type, bytes): only base64 data: URLs (this server
+    fetches nothing)."""
+    url = value.get("url") if isinstance(value, dict) else None
+    if not isinstance(url, str):
+        raise BadField(where, f"{where}.url must be a string")
+    match = re.fullmatch(r"data:([\w.+/-]+);base64,(.*)", url, flags=re.S)
+    if match is None:
+        raise BadField(where, f"{where}.url: only data:<mime>;base64,... URLs are supported "
+                       "(this server fetches no remote images)")
+    try:
+        data = base64.b64decode(match.group(2), validate=True)
+    except binascii.Error as exc:
+        raise BadField(where, f"{where}.url: the base64 data does not decode ({exc})") from exc
+    return match.group(1), data
 
 
 def _stop(value: Any) -> tuple[str, ...]:

@@ -128,6 +128,13 @@ class Upstream:
         return error_for(code.name, details)
 
 
+def _chat_message(role: str, content: str | tuple[str | int, ...]) -> pb.ChatMessage:
+    if isinstance(content, str):
+        return pb.ChatMessage(role=role, content=content)
+    return pb.ChatMessage(role=role, parts=[
+        pb.ChatPart(image=p) if isinstance(p, int) else pb.ChatPart(text=p) for p in content])
+
+
 def _request(call: Call, request_id: str) -> opb.GenerateRequest:
     s = call.sampling
     sampling = pb.SamplingOverrides(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
@@ -140,6 +147,7 @@ def _request(call: Call, request_id: str) -> opb.GenerateRequest:
     elif call.token_ids is not None:
         req.token_ids.ids.extend(call.token_ids)
     elif call.messages is not None:
-        req.messages.messages.extend(pb.ChatMessage(role=role, content=content)
+        req.messages.messages.extend(_chat_message(role, content)
                                      for role, content in call.messages)
+    req.media.extend(pb.MediaPart(mime_type=mime, data=data) for mime, data in call.images)
     return opb.GenerateRequest(request=req, sinks=[f"{call.model}:text"])

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from llm_stage_client import AsyncClient, Client, Delta, FinalReport, StageClientError, cli
 from llm_stage_client.cli import main
-from llm_stage_client.types import finish_reason_name
+from llm_stage_client.types import build_generate_request, finish_reason_name
 
 from services.contract.llmstage.v1 import orchestrator_pb2 as opb
 from services.contract.llmstage.v1 import orchestrator_pb2_grpc
@@ -267,3 +267,21 @@ def test_up_without_the_server_package_says_what_to_install(
     assert out == "" and "Traceback" not in err
     assert err.startswith("llm-stage: FAILED_PRECONDITION: `llm-stage up` starts the servers")
     assert "pip install llm-runner-svc" in err
+
+
+def test_images_and_chat_parts(tmp_path) -> None:
+    png = b"\x89PNG\r\n\x1a\n" + b"rest"
+    file = tmp_path / "photo.jpg"
+    file.write_bytes(b"\xff\xd8\xff\xe0jpeg")
+    req = build_generate_request(messages=[("user", [1, "compare", 0]), ("assistant", "ok")],
+                                 images=[png, str(file), ("image/webp", b"RIFF")]).request
+    assert [(m.mime_type, m.data) for m in req.media] == [
+        ("image/png", png), ("image/jpeg", b"\xff\xd8\xff\xe0jpeg"), ("image/webp", b"RIFF")]
+    parts = req.messages.messages[0].parts
+    assert [p.WhichOneof("part") for p in parts] == ["image", "text", "image"]
+    assert (parts[0].image, parts[1].text, parts[2].image) == (1, "compare", 0)
+    assert req.messages.messages[1].content == "ok"
+    assert build_generate_request(prompt="x", images=[b"GIF89a"]).request.media[0].mime_type \
+        == "application/octet-stream"
+    with pytest.raises(TypeError, match="sequence of images"):
+        build_generate_request(prompt="x", images=png)  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import pytest
@@ -30,6 +31,21 @@ def test_a_chat_body_with_every_supported_field() -> None:
     assert call.is_stream and call.include_usage and call.ignore_eos and call.user == "u1"
 
 
+def test_image_url_parts_become_images_in_order() -> None:
+    def image(data: bytes, mime: str = "image/png") -> dict[str, Any]:
+        return {"type": "image_url", "image_url": {
+            "url": f"data:{mime};base64," + base64.b64encode(data).decode()}}
+
+    call = parse_chat({**CHAT, "messages": [
+        {"role": "user", "content": [image(b"one"), {"type": "text", "text": "and"},
+                                     image(b"two", "image/jpeg")]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, image(b"three")]}]})
+    assert call.messages == (("user", (0, "and", 1)), ("assistant", "ok"), ("user", ("a", 2)))
+    assert call.images == (("image/png", b"one"), ("image/jpeg", b"two"),
+                           ("image/png", b"three"))
+
+
 def test_completion_prompts() -> None:
     assert parse_completion({"model": "m", "prompt": "Hi"}).text == "Hi"
     assert parse_completion({"model": "m", "prompt": ["Hi"]}).text == "Hi"
@@ -44,6 +60,12 @@ def test_completion_prompts() -> None:
     ({**CHAT, "messages": []}, "messages"),
     ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0].image_url"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "https://example.com/a.png"}}]}]}, "messages[0].content[0].image_url"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,@@@"}}]}]}, "messages[0].content[0].image_url"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "audio"}]}]},
      "messages[0].content"),
     ({**CHAT, "n": 2}, "n"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools"),

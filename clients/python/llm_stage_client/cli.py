@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from llm_stage_client._contract.llmstage.v1 import orchestrator_pb2
 from llm_stage_client.cli_show import Display, report_json, stream
 from llm_stage_client.client import DEFAULT_TARGET, Client
-from llm_stage_client.types import StageClientError
+from llm_stage_client.types import GenerateOptions, StageClientError
 
 # A subcommand is a pair: a function adding its parser to the subparsers, and the function
 # running it (returning the exit code). Subcommands from other modules join `_COMMANDS`.
@@ -65,6 +65,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=None,
                    help="deadline of the whole request, seconds (default: none)")
     p.add_argument("--request-id", default="", help="request id (default: the orchestrator's)")
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="a PNG or JPEG image for a vision-language runner (repeatable); the "
+                        "prompt then goes as one chat message: the images, then the text")
     p.add_argument("--adapter", default="",
                    help="LoRA adapter to run with, by the name the deployment's "
                         "lora_adapters gives it (default: the base model)")
@@ -76,11 +79,19 @@ def _generate(args: argparse.Namespace) -> int:
     display = Display()
     with Client(target, timeout=args.timeout) as client:
         try:
-            items = client.generate(args.prompt, temperature=args.temperature,
-                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                    max_tokens=args.max_tokens, stop=args.stop,
-                                    request_id=args.request_id, sinks=sinks,
-                                    adapter=args.adapter)
+            options: GenerateOptions = dict(
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
+                request_id=args.request_id, sinks=sinks, adapter=args.adapter)
+            if args.image:  # one chat turn: the images, then the text
+                parts: list[str | int] = [*range(len(args.image)), args.prompt]
+                options["messages"] = [("user", parts)]
+                options["images"] = args.image
+                items = client.generate(**options)
+            else:
+                items = client.generate(args.prompt, **options)
+        except OSError as exc:
+            raise StageClientError("INVALID_ARGUMENT", f"--image: {exc}") from exc
         except ValueError as exc:
             # Values argparse lets through but a field cannot hold (a negative seed).
             raise StageClientError("INVALID_ARGUMENT", str(exc)) from exc

@@ -6,6 +6,7 @@ inside the library (`build_generate_request` and `event_from_pb` are for `client
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
@@ -19,6 +20,39 @@ from llm_stage_client._contract.llmstage.v1 import stage_pb2 as pb
 _FINISH_PREFIX = "FINISH_REASON_"
 
 
+# An image: encoded PNG / JPEG bytes, a file holding them, or (mime type, bytes).
+ImageInput = bytes | str | os.PathLike[str] | tuple[str, bytes]
+_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"))
+
+
+def media_part(image: ImageInput) -> pb.MediaPart:
+    """The MediaPart for one image; the MIME type from the bytes' signature unless given
+    (an unknown signature is sent as application/octet-stream and refused by the stage)."""
+    if isinstance(image, tuple):
+        mime, data = image
+        return pb.MediaPart(mime_type=mime, data=bytes(data))
+    if isinstance(image, bytes | bytearray):
+        data = bytes(image)
+    elif isinstance(image, str | os.PathLike):
+        with open(image, "rb") as f:
+            data = f.read()
+    else:
+        raise TypeError(f"an image is bytes, a path or (mime, bytes), not "
+                        f"{type(image).__name__}")
+    mime = next((m for sig, m in _MAGIC if data.startswith(sig)), "application/octet-stream")
+    return pb.MediaPart(mime_type=mime, data=data)
+
+
+def chat_message(role: str, content: str | Sequence[str | int]) -> pb.ChatMessage:
+    """A chat message; content given as parts holds text (str) and images (int: the index
+    of the image in `images`)."""
+    if isinstance(content, str):
+        return pb.ChatMessage(role=role, content=content)
+    parts = [pb.ChatPart(image=p) if isinstance(p, int) else pb.ChatPart(text=p)
+             for p in content]
+    return pb.ChatMessage(role=role, parts=parts)
+
+
 class GenerateOptions(TypedDict, total=False):
     """Keyword arguments of a generation besides the text prompt (see `build_generate_request`).
 
@@ -28,7 +62,8 @@ class GenerateOptions(TypedDict, total=False):
     """
 
     token_ids: Sequence[int]
-    messages: Sequence[tuple[str, str]]
+    messages: Sequence[tuple[str, str | Sequence[str | int]]]
+    images: Sequence[ImageInput]
     temperature: float | None
     top_k: int | None
     top_p: float | None
@@ -103,7 +138,8 @@ def build_generate_request(
     *,
     prompt: str | None = None,
     token_ids: Sequence[int] | None = None,
-    messages: Sequence[tuple[str, str]] | None = None,
+    messages: Sequence[tuple[str, str | Sequence[str | int]]] | None = None,
+    images: Sequence[ImageInput] = (),
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -123,6 +159,10 @@ def build_generate_request(
     otherwise. `sinks` are "stage:port" names (empty: the topology's default sinks).
     `adapter` names the LoRA adapter the runner applies (empty: the base model).
     `disable_spec_decode` asks a speculative runner to decode this request plainly.
+    `images` go to a vision-language runner: PNG / JPEG bytes, files, or (mime type, bytes).
+    A message's content may be parts, text (str) and images (int, an index into `images`),
+    which the chat template places; a text prompt places them with the model's own image
+    token (e.g. "<image>"), one per image in order.
 
     Raises ValueError when not exactly one prompt form is given or a value does not fit its
     field (e.g. a negative seed), TypeError when `stop` or `sinks` is a bare string.
@@ -158,8 +198,10 @@ def build_generate_request(
         req.token_ids.ids.extend(token_ids)
     elif messages is not None:
         req.messages.SetInParent()
-        req.messages.messages.extend(pb.ChatMessage(role=role, content=content)
-                                     for role, content in messages)
+        req.messages.messages.extend(chat_message(role, content) for role, content in messages)
+    if isinstance(images, bytes | str):
+        raise TypeError("images takes a sequence of images: use [image]")
+    req.media.extend(media_part(image) for image in images)
     return opb.GenerateRequest(request=req, sinks=list(sinks))
 
 
