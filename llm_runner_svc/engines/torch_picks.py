@@ -36,9 +36,11 @@ class Picks:
         """`logits` [max_batch, vocab] float32 and `next_ids` [max_batch] int64 of the run
         state; forwards of up to `max_tokens` tokens."""
         self._logits, self._next = logits, next_ids
-        # a verify row's logits at its proposed positions, and each row's greedy picks there
-        self.verify_logits = torch.zeros((MAX_VERIFY, logits.shape[1]), dtype=torch.float32,
-                                         device=logits.device)  # [MAX_VERIFY, vocab]
+        # a verify row's logits at its last K + 1 positions, and each row's greedy picks at
+        # its K proposed ones
+        self.verify_logits = torch.zeros((MAX_VERIFY + 1, logits.shape[1]),
+                                         dtype=torch.float32,
+                                         device=logits.device)  # [MAX_VERIFY + 1, vocab]
         self.verify_ids = torch.zeros((next_ids.shape[0], MAX_VERIFY), dtype=torch.int64,
                                       device=logits.device)  # [max_batch, MAX_VERIFY]
         self._scratch = torch.zeros((3, max_tokens), dtype=torch.int64, device=logits.device)

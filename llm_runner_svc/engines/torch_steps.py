@@ -110,13 +110,15 @@ class TorchSteps(Engine):
         hidden: list[HiddenStates | None] = [None] * n
         self._verified: list[list[int] | None] = [None] * n
         self._on_device: list[tuple[int, int]] = []
+        self._headed: set[int] = set()  # batch rows whose logits a verify head wrote
         bucket = self._stage_decode(decodes, feeds) if d else 0
         if d < n:  # before the decode: its picks overwrite those this part may feed on
             hidden[d:] = self._prefill(rows[d:], d, feeds)
         if d:
             hidden[:d] = self._decode(decodes, bucket)
         if d < n:
-            self.forward.head(self.state.x_last[d:n], self.forward.fuses(n - d, False), d)
+            if not self._headed.issuperset(range(d, n)):  # a speculative step: no more head
+                self.forward.head(self.state.x_last[d:n], self.forward.fuses(n - d, False), d)
         specs = [r.sample or _PLACEHOLDER for r in rows]
         self._last_sampled = tuple(r.sample is not None for r in rows)
         return Launched(self.picks.start(specs, has_argmax=d == n), self._last_sampled,
@@ -198,16 +200,21 @@ class TorchSteps(Engine):
 
     def _verify_heads(self, p: Pass, rows: Sequence[Row], first: int) -> None:
         """The picks of the verify rows that pass `p` ran (batch rows first ..), from the
-        residuals of their K positions before the last, before the next pass overwrites
-        them (a verify row is never cut across passes)."""
+        residuals of their last K + 1 positions, before the next pass overwrites them (a
+        verify row is never cut across passes): one head product over the K + 1 (the head
+        is read once), the last one's logits into the row's logits row as every row's."""
         for seg in p.segments:
             row = rows[seg.row]
             if not (row.verify and seg.is_last and row.sample is not None):
                 continue
             k = row.verify
             lo = seg.offset + len(seg.tokens) - 1 - k
-            logits = self.picks.verify_logits[:k]
-            self.forward.head(self.state.x[lo:lo + k], self.forward.fuses(k, False), out=logits)
+            every = self.picks.verify_logits[:k + 1]
+            self.forward.head(self.state.x[lo:lo + k + 1], self.forward.fuses(k + 1, False),
+                              out=every)
+            self.state.logits[first + seg.row].copy_(every[k])
+            self._headed.add(first + seg.row)
+            logits = every[:k]
             if row.sample.is_greedy:
                 torch.argmax(logits, dim=-1, out=self.picks.verify_ids[first + seg.row, :k])
                 self._on_device.append((first + seg.row, k))
