@@ -1,17 +1,18 @@
-"""Speculative decoding on the host: the config, the proposers and the acceptance rule.
+"""Speculative decoding on the host: the config, the ngram proposer and the acceptance rule.
 
 A speculative request's decode row is a *verify* row (engines/batch.py `Row.verify`): the
 last accepted token followed by K proposed tokens, run in one target forward that returns
-the target's greedy pick after each of the K + 1 positions. The runtime accepts the longest
-prefix of the proposal the target agrees with plus the target's own next token (so a step
-yields 1 .. K + 1 tokens and the output is exactly plain greedy decoding), and rolls the
-rejected positions back by not counting them as computed (their KV is overwritten later).
+the target's pick after each of the K + 1 positions (greedy: the argmax; sampled: the
+proposed token or a draw by the rejection rule, engines/numpy_sampling.py). The runtime
+accepts the longest prefix of the proposal the picks agree with plus the first pick that
+differs (so a step yields 1 .. K + 1 tokens: exactly plain greedy decoding's, or tokens
+distributed as plain sampling's), and rolls the rejected positions back in the page table:
+they no longer count as computed, pages past them go back to the pool, nothing is copied.
 
 `ngram` (prompt lookup) proposes in pure Python over the request's known tokens: it copies
 the tokens that followed the latest earlier occurrence of the context's last n-gram. The
-`self` and `draft` methods propose with a draft engine (drafting.py). A sampled request's
-verify row carries a spec per position and the engine picks by the rejection rule
-(engines/batch.py), so acceptance stays the longest matching prefix here too.
+`self` and `draft` methods propose with a draft engine (drafting.py). Both proposers share
+one interface (`propose_batch`, `roll_back`, `release`, `preallocate`, `close`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class SpecConfig:
     method: str = "ngram"
     proposal_tokens: int = 4  # K: proposed tokens per verify row
     ngram_max: int = 3  # the longest context suffix looked up (ngram)
-    ngram_min: int = 1  # the shortest one tried before giving up (ngram)
+    ngram_min: int = 2  # the shortest one tried before giving up (ngram): a one-token match
+    # proposes mostly what chance put there (docs/benchmarks.md)
     min_proposal: int = 1  # a shorter proposal is not verified (a plain decode row instead)
     draft_layers: int = 0  # self: decoder layers the draft keeps
     draft_checkpoint: str = ""  # draft: the draft model (a path or a built-in name)

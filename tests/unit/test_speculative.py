@@ -36,7 +36,7 @@ def _runtime(model, engine: str = "numpy", **cfg) -> InferenceRuntime:
 
 
 def test_ngram_proposes_what_followed_the_latest_match():
-    p = NgramProposer(SpecConfig(ngram_max=2))
+    p = NgramProposer(SpecConfig(ngram_max=2, ngram_min=1))
     assert p.propose([5, 6, 7, 8, 1, 5, 6, 9, 1, 5, 6], 3) == [9, 1, 5]
     assert p.propose([1, 2, 3, 4], 3) == []
     assert p.propose([7, 7], 4) == [7]
