@@ -116,9 +116,8 @@ class TorchSteps(Engine):
             hidden[d:] = self._prefill(rows[d:], d, feeds)
         if d:
             hidden[:d] = self._decode(decodes, bucket)
-        if d < n:
-            if not self._headed.issuperset(range(d, n)):  # a speculative step: no more head
-                self.forward.head(self.state.x_last[d:n], self.forward.fuses(n - d, False), d)
+        if d < n and not self._headed.issuperset(range(d, n)):  # (verify rows: headed)
+            self.forward.head(self.state.x_last[d:n], self.forward.fuses(n - d, False), d)
         specs = [r.sample or _PLACEHOLDER for r in rows]
         self._last_sampled = tuple(r.sample is not None for r in rows)
         return Launched(self.picks.start(specs, has_argmax=d == n), self._last_sampled,
