@@ -16,7 +16,8 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 IMAGE_TOKEN = "<image>"
-IMAGE_TOKEN_ID = 2  # specials: <s> 0, </s> 1, <image> 2
+IMAGE_TOKEN_ID = 2  # specials: <s> 0, </s> 1, <image> 2, <fake_token_around_image> 3,
+# <global-img> 4
 IMAGE_SIZE = 16
 PATCH = 4
 TEXT_VOCAB = 320
@@ -48,7 +49,8 @@ def write_vlm_tokenizer(path: Path) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>", IMAGE_TOKEN],
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[
+        "<s>", "</s>", IMAGE_TOKEN, "<fake_token_around_image>", "<global-img>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(SENTENCES, trainer)
@@ -106,6 +108,28 @@ def build_llava(path: Path, tower: str = "clip", text_arch: str = "llama", seed:
     return model
 
 
-def tokens_per_image(tower: str) -> int:
-    n = (IMAGE_SIZE // PATCH) ** 2
-    return n if tower == "clip" else n  # CLIP: n + class token - dropped; SigLIP: n, full
+def build_idefics3(path: Path, seed: int = 0) -> Any:
+    """Save a random Idefics3 (SigLIP-style tower, pixel shuffle 2, a Llama text model) to
+    `path`; return the float32 eager torch model. Its processor settings ask for no tiles."""
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH)
+    text = dict(model_type="llama", vocab_size=TEXT_VOCAB, hidden_size=64,
+                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0,
+                eos_token_id=1, initializer_range=0.15, tie_word_embeddings=True)
+    config = transformers.Idefics3Config(vision_config=vision, text_config=text,
+                                         image_token_id=IMAGE_TOKEN_ID, scale_factor=2,
+                                         tie_word_embeddings=True,
+                                         attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = transformers.Idefics3ForConditionalGeneration(config).to(torch.float32).eval()
+    _randomize(model, seed)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    write_vlm_tokenizer(path)
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "do_resize": True, "do_rescale": True, "do_normalize": True, "resample": 1,
+        "do_image_splitting": False, "size": {"longest_edge": IMAGE_SIZE},
+        "max_image_size": {"longest_edge": IMAGE_SIZE},
+        "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+    return model

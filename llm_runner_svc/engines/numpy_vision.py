@@ -34,6 +34,16 @@ def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.nd
     return (x - mean) / np.sqrt(var + eps) * w + b
 
 
+def pixel_shuffle(x: np.ndarray, scale: int) -> np.ndarray:
+    """[B, n, d] tokens of a square grid -> [B, n / s^2, d s^2]: each s x s block of
+    neighbouring patches as one token (Idefics3's order of the block's members)."""
+    b, n, d = x.shape
+    side = math.isqrt(n)
+    x = x.reshape(b, side, side // scale, d * scale).transpose(0, 2, 1, 3)
+    x = x.reshape(b, side // scale, side // scale, d * scale * scale).transpose(0, 2, 1, 3)
+    return x.reshape(b, n // scale ** 2, d * scale * scale)
+
+
 def patches(pixels: np.ndarray, patch: int) -> np.ndarray:
     """[B, C, H, W] -> [B, (H/p)(W/p), C p p], patches row-major, each in the conv kernel's
     (channel, row, column) order."""
@@ -93,5 +103,11 @@ class NumpyVision:
         if c.drop_cls:
             feats = [f[:, 1:] for f in feats]
         x = np.concatenate(feats, axis=-1)
+        if w.post_ln is not None:
+            x = layer_norm(x, *w.post_ln, c.layer_norm_eps)
+        if c.connector == "pixel_shuffle":
+            return np.ascontiguousarray(pixel_shuffle(x, c.scale_factor) @ w.proj1_w.T,
+                                        dtype=np.float32)
+        assert w.proj1_b is not None and w.proj2_w is not None and w.proj2_b is not None
         x = activation(c.projector_act, x @ w.proj1_w.T + w.proj1_b)
         return np.ascontiguousarray(x @ w.proj2_w.T + w.proj2_b, dtype=np.float32)

@@ -22,6 +22,15 @@ def _act(name: str, x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def _pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
+    """As numpy_vision.pixel_shuffle."""
+    b, n, d = x.shape
+    side = math.isqrt(n)
+    x = x.reshape(b, side, side // scale, d * scale).permute(0, 2, 1, 3)
+    x = x.reshape(b, side // scale, side // scale, d * scale * scale).permute(0, 2, 1, 3)
+    return x.reshape(b, n // scale ** 2, d * scale * scale)
+
+
 class TorchVision:
     """Runs a vision tower where `engine` (a TorchEngine) runs; weights copied there once."""
 
@@ -37,6 +46,8 @@ class TorchVision:
             "patch_w", "patch_b", "cls", "pos", "proj1_w", "proj1_b", "proj2_w", "proj2_b")}
         self.pre_ln = None if weights.pre_ln is None else (t(weights.pre_ln[0]),
                                                            t(weights.pre_ln[1]))
+        self.post_ln = None if weights.post_ln is None else (t(weights.post_ln[0]),
+                                                             t(weights.post_ln[1]))
         self.layers = [{k: t(v) for k, v in vars(lw).items()} for lw in weights.layers]
 
     @torch.inference_mode()
@@ -68,6 +79,12 @@ class TorchVision:
         feats = [states[f if f >= 0 else c.num_layers + 1 + f] for f in c.feature_layers]
         if c.drop_cls:
             feats = [f[:, 1:] for f in feats]
-        y = _act(c.projector_act, F.linear(torch.cat(feats, -1), w["proj1_w"], w["proj1_b"]))
-        y = F.linear(y, w["proj2_w"], w["proj2_b"])
+        y = torch.cat(feats, -1)
+        if self.post_ln is not None:
+            y = F.layer_norm(y, (c.hidden_size,), *self.post_ln, eps=c.layer_norm_eps)
+        if c.connector == "pixel_shuffle":
+            y = F.linear(_pixel_shuffle(y, c.scale_factor), w["proj1_w"])
+        else:
+            y = _act(c.projector_act, F.linear(y, w["proj1_w"], w["proj1_b"]))
+            y = F.linear(y, w["proj2_w"], w["proj2_b"])
         return y.to(torch.float32).cpu().numpy()

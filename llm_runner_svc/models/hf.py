@@ -3,7 +3,8 @@
 Supports the Llama family as transformers writes it: model_type llama (SmolLM too), qwen2
 (q/k/v bias) and qwen3 (per-head q/k RMSNorm). Linear weights are [out, in] already; RoPE
 rotates halves. bf16 tensors are widened to float32 from their raw bytes. A LLaVA directory
-(model_type llava) is its text model (`text_config`) plus a vision tower (models/vision.py).
+(model_type llava) or an Idefics3 / SmolVLM one (idefics3) is its text model (`text_config`)
+plus a vision tower (models/vision.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from llm_runner_svc.models.vision import (
 )
 
 ARCHS = ("llama", "qwen2", "qwen3")
-VISION_LANGUAGE = ("llava",)
+VISION_LANGUAGE = ("llava", "idefics3")
+# Idefics3's processor puts these around each image's tokens (an image not split in tiles)
+_IDEFICS3_WRAP = ("<fake_token_around_image><global-img>", "<fake_token_around_image>")
 
 
 def _read_json(path: Path, required: bool = True) -> dict[str, Any]:
@@ -221,7 +224,14 @@ def _vision(path: Path, cfg: dict[str, Any], text_hidden: int,
     proc_cfg = _read_json(path / "processor_config.json", required=False)
     token = _token_text(tok_cfg.get("image_token")) or _token_text(
         proc_cfg.get("image_token")) or "<image>"
-    return VisionModel(vc, vision_weights(vc, tensors, where), _preprocessor(path), token)
+    wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    if cfg.get("model_type") == "idefics3" and (path / "tokenizer.json").is_file():
+        tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        ids = [tuple(tok.encode(t, add_special_tokens=False).ids) for t in _IDEFICS3_WRAP]
+        if tok.token_to_id("<fake_token_around_image>") is not None:
+            wrap = (ids[0], ids[1])
+    return VisionModel(vc, vision_weights(vc, tensors, where), _preprocessor(path), token,
+                       wrap)
 
 
 def load_hf(path: Path, vision_path: Path | None = None) -> Model:

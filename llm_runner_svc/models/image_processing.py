@@ -3,8 +3,10 @@ and normalised as the model's preprocessor config (preprocessor_config.json) say
 
 Two resize rules, as transformers' image processors apply them: `size.shortest_edge` (CLIP:
 the short side to that length, aspect kept, then a centre crop to `crop_size`) or
-`size.height` / `size.width` (SigLIP: straight to that size). Decoding is strict: the bytes
-must be the format their MIME type names, decode completely and hold at least one pixel.
+`size.height` / `size.width` (SigLIP: straight to that size); Idefics3's `longest_edge`
+sizes are served as one square image at the tower's size (no splitting into tiles).
+Decoding is strict: the bytes must be the format their MIME type names, decode completely
+and hold at least one pixel.
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ def preprocess(img: Image.Image, cfg: Mapping[str, Any], image_size: int) -> np.
             new_long = int(edge * long / short)
             target = (edge, new_long) if w <= h else (new_long, edge)
             img = img.resize(target, _resample(cfg))
-        else:
+        elif "height" in size and "width" in size:
             img = img.resize((int(size["width"]), int(size["height"])), _resample(cfg))
+        else:  # longest_edge (Idefics3): one tile, square at the tower's size, not split
+            img = img.resize((image_size, image_size), _resample(cfg))
     if cfg.get("do_center_crop", False):
         crop = cfg.get("crop_size") or {"height": image_size, "width": image_size}
         ch, cw = int(crop["height"]), int(crop["width"])

@@ -2,7 +2,10 @@
 
 The LLaVA family (`LlavaForConditionalGeneration`): a CLIP or SigLIP vision transformer,
 whose hidden states at `vision_feature_layer` (one layer or several, concatenated) become,
-through the two-layer multimodal projector, one text embedding per image token. Weights are
+through the two-layer multimodal projector, one text embedding per image token.
+Idefics3 / SmolVLM (`Idefics3ForConditionalGeneration`): a SigLIP-style tower with its
+post-layernorm, then the connector: pixel shuffle (each scale x scale block of patches as one
+token of scale^2 the width) and one linear projection. Weights are
 [out, in] as in the checkpoint; the forward passes live in engines/ (numpy_vision.py,
 torch_vision.py). Tensor names are taken with or without the `model.` / `vision_model.`
 prefixes the different transformers versions write.
@@ -18,7 +21,8 @@ import numpy as np
 
 from llm_runner_svc.errors import ModelFormatError, Unimplemented
 
-TOWERS = ("clip_vision_model", "siglip_vision_model")
+TOWERS = ("clip_vision_model", "siglip_vision_model", "idefics3_vision")
+CONNECTORS = ("mlp2", "pixel_shuffle")  # LLaVA's projector, Idefics3's connector
 ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "gelu_new")
 
 
@@ -41,8 +45,13 @@ class VisionConfig:
     projector_act: str
     text_hidden_size: int
     image_token_id: int
+    post_norm: bool = False  # the tower's post_layernorm on its last layer (Idefics3)
+    connector: str = "mlp2"
+    scale_factor: int = 1  # pixel shuffle's
 
     def __post_init__(self) -> None:
+        if self.connector not in CONNECTORS:
+            raise Unimplemented(f"vision connector {self.connector!r} is not supported")
         if self.tower not in TOWERS:
             raise Unimplemented(f"vision tower {self.tower!r} is not supported "
                                 f"(supported: {', '.join(TOWERS)})")
@@ -73,6 +82,8 @@ class VisionConfig:
     @property
     def tokens_per_image(self) -> int:
         """Image tokens one image becomes in the text sequence."""
+        if self.connector == "pixel_shuffle":
+            return self.num_patches // self.scale_factor ** 2
         return self.num_positions - int(self.drop_cls)
 
     @property
@@ -112,10 +123,11 @@ class VisionWeights:
     pos: np.ndarray  # [num_positions, hidden]
     pre_ln: tuple[np.ndarray, np.ndarray] | None  # CLIP's pre_layrnorm (weight, bias)
     layers: list[VisionLayer]
-    proj1_w: np.ndarray  # [text_hidden, hidden * num feature layers]
-    proj1_b: np.ndarray  # [text_hidden]
-    proj2_w: np.ndarray  # [text_hidden, text_hidden]
-    proj2_b: np.ndarray  # [text_hidden]
+    proj1_w: np.ndarray  # [text_hidden, hidden * num feature layers (or * scale^2)]
+    proj1_b: np.ndarray | None  # [text_hidden] (LLaVA)
+    proj2_w: np.ndarray | None  # [text_hidden, text_hidden] (LLaVA)
+    proj2_b: np.ndarray | None  # [text_hidden] (LLaVA)
+    post_ln: tuple[np.ndarray, np.ndarray] | None = None  # Idefics3's post_layernorm
 
 
 @dataclass
@@ -126,11 +138,29 @@ class VisionModel:
     weights: VisionWeights
     preprocess: Mapping[str, Any]  # preprocessor_config.json (image_processing.py reads it)
     image_token: str  # the placeholder's text, as the chat template writes it
+    wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # token ids put before and
+    # after each image's tokens (Idefics3: <fake_token_around_image><global-img> ... )
 
 
 def vision_config(cfg: Mapping[str, Any], text_hidden: int, where: str) -> VisionConfig:
-    """The VisionConfig of a LLaVA config.json."""
+    """The VisionConfig of a LLaVA or Idefics3 config.json."""
     vc = cfg.get("vision_config") or {}
+    if cfg.get("model_type") == "idefics3":
+        try:
+            layers = int(vc["num_hidden_layers"])
+            return VisionConfig(
+                tower="idefics3_vision", hidden_size=int(vc["hidden_size"]),
+                intermediate_size=int(vc["intermediate_size"]), num_layers=layers,
+                num_heads=int(vc["num_attention_heads"]), image_size=int(vc["image_size"]),
+                patch_size=int(vc["patch_size"]), num_channels=int(vc.get("num_channels", 3)),
+                layer_norm_eps=float(vc.get("layer_norm_eps", 1e-6)),
+                hidden_act=str(vc.get("hidden_act", "gelu_pytorch_tanh")),
+                feature_layers=(layers,), drop_cls=False, projector_act="gelu",
+                text_hidden_size=text_hidden, image_token_id=int(cfg["image_token_id"]),
+                post_norm=True, connector="pixel_shuffle",
+                scale_factor=int(cfg.get("scale_factor", 2)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelFormatError(f"{where}: bad or missing vision field ({exc})") from exc
     layer = cfg.get("vision_feature_layer", -2)
     try:
         return VisionConfig(
@@ -160,14 +190,18 @@ def vision_name(name: str) -> str | None:
     if name.startswith("vision_tower."):
         rest = name[len("vision_tower."):]
         return "tower." + rest.removeprefix("vision_model.")
+    if name.startswith("vision_model."):
+        return "tower." + name[len("vision_model."):]
     if name.startswith("multi_modal_projector."):
         return "projector." + name[len("multi_modal_projector."):]
+    if name.startswith("connector.modality_projection."):
+        return "projector." + name[len("connector.modality_projection."):]
     return None
 
 
 def text_name(name: str) -> str:
     """A LLaVA checkpoint's text-model tensor under the plain decoder's name."""
-    for prefix in ("language_model.model.", "model.language_model."):
+    for prefix in ("language_model.model.", "model.language_model.", "model.text_model."):
         if name.startswith(prefix):
             return "model." + name[len(prefix):]
     return name.removeprefix("language_model.")
@@ -209,6 +243,16 @@ def vision_weights(config: VisionConfig, tensors: Mapping[str, np.ndarray],
     patch = get("tower.embeddings.patch_embedding.weight",
                 (h, c.num_channels, c.patch_size, c.patch_size)).reshape(h, k)
     th = c.text_hidden_size
+    post_ln = (get("tower.post_layernorm.weight", (h,)), get("tower.post_layernorm.bias", (h,))) \
+        if c.post_norm else None
+    if c.connector == "pixel_shuffle":
+        return VisionWeights(
+            patch_w=np.ascontiguousarray(patch),
+            patch_b=get("tower.embeddings.patch_embedding.bias", (h,)), cls=None,
+            pos=get("tower.embeddings.position_embedding.weight", (c.num_positions, h)),
+            pre_ln=None, layers=layers,
+            proj1_w=get("projector.proj.weight", (th, h * c.scale_factor ** 2)),
+            proj1_b=None, proj2_w=None, proj2_b=None, post_ln=post_ln)
     return VisionWeights(
         patch_w=np.ascontiguousarray(patch),
         patch_b=None if c.has_cls else get("tower.embeddings.patch_embedding.bias", (h,)),

@@ -152,10 +152,11 @@ class ImageEncoder:
         ids: list[int] = []
         spans: list[EmbedSpan] = []
         last = 0
+        opening, closing = self.vision.wrap
         for j, pos in enumerate(placed):
-            ids += prompt_ids[last:pos]
+            ids += [*prompt_ids[last:pos], *opening]
             spans.append(EmbedSpan(len(ids), kept[j], span_keys[j]))
-            ids += [vc.image_token_id] * len(kept[j])
+            ids += [vc.image_token_id] * len(kept[j]) + list(closing)
             last = pos + 1
         ids += prompt_ids[last:]
         after = sum(len(f) for f in kept)

@@ -20,7 +20,7 @@ import transformers
 from google.protobuf.json_format import MessageToDict
 from PIL import Image
 from stage_harness import StageServer, make_request
-from vlm_fixtures import IMAGE_TOKEN_ID, build_llava
+from vlm_fixtures import IMAGE_TOKEN_ID, build_idefics3, build_llava
 
 from llm_runner_svc.stage import MediaItem, StageConfig, StageRequest
 from llm_runner_svc.stage.visual_pruning import PruningConfig
@@ -202,3 +202,29 @@ def test_budget_and_pruning_on_a_stream_of_distinct_images(llava: tuple[Path, An
             assert stats["encoder_cache_bytes"] <= 10_000
         assert stats["encoder_cache_entries"] == 2 and stats["encoder_cache_evictions"] == 4
         assert stats["images_encoded"] == 6
+
+
+def test_idefics3_wraps_each_image_as_its_processor_does(tmp_path: Path) -> None:
+    """An Idefics3 stage: each image's 4 tokens (16 patches, pixel shuffle 2) sit between
+    <fake_token_around_image><global-img> and <fake_token_around_image>; greedy tokens as
+    transformers' for a square PNG (resized as its processor does without tiles)."""
+    tm = build_idefics3(tmp_path / "idefics3", seed=2)
+    image = png(12, (32, 32))
+    cfg = StageConfig(artifact=str(tmp_path / "idefics3"), max_batch=2, max_seq=128)
+    with StageServer(cfg) as srv:
+        tokens, diag = _run(srv, 1, make_request(text="<image> Hi", temperature=0.0,
+                                                 max_tokens=TOKENS, ignore_eos=True,
+                                                 media=_media(image)))
+        tok = srv.stage.model.tokenizer
+    ids = [0, 3, 4, *[IMAGE_TOKEN_ID] * 4, 3, *tok.encode(" Hi", add_bos=False)]
+    assert diag["tokens_in"] == len(ids) and diag["media"]["visual_tokens_after"] == 4
+    cfg_pre = json.loads((tmp_path / "idefics3" / "preprocessor_config.json").read_text())
+    pixels = transformers.Idefics3ImageProcessorPil(**cfg_pre)(
+        images=[[Image.open(io.BytesIO(image)).convert("RGB")]], return_tensors="pt")[
+        "pixel_values"]
+    out: list[int] = []
+    for _ in range(TOKENS):
+        with torch.no_grad():
+            logits = tm(input_ids=torch.tensor([ids + out]), pixel_values=pixels).logits
+        out.append(int(logits[0, -1].argmax()))
+    assert tokens == out

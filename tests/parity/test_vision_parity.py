@@ -1,6 +1,7 @@
-"""LLaVA directories (CLIP and SigLIP towers, Llama and Qwen2 text models): the vision
-tower's embeddings, the logits of prompts with one and two images and greedy tokens against
-transformers' own model, all float32."""
+"""Vision-language directories (LLaVA with a CLIP tower and Llama, LLaVA with SigLIP and
+Qwen2, Idefics3 with pixel shuffle and Llama): the vision tower's embeddings, the logits of
+prompts with one and two images and greedy tokens against transformers' own model, all
+float32."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from vlm_fixtures import IMAGE_SIZE, IMAGE_TOKEN_ID, build_llava
+from vlm_fixtures import IMAGE_SIZE, IMAGE_TOKEN_ID, build_idefics3, build_llava
 
 from llm_runner_svc.engines.base import EnginePlan
 from llm_runner_svc.engines.batch import Batch, EmbedSpan, Row
@@ -20,7 +21,7 @@ from llm_runner_svc.models import load_model
 from llm_runner_svc.models.vision import image_starts
 from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
 
-CASES = [("clip", "llama"), ("siglip", "qwen2")]
+CASES = [("clip", "llama"), ("siglip", "qwen2"), ("idefics3", "llama")]
 TOL = 1e-4
 
 
@@ -38,9 +39,22 @@ def _prompt(model: Any, num_images: int) -> list[int]:
     return ids
 
 
+def _pixel_values(tm: Any, pixels: np.ndarray) -> torch.Tensor:
+    """Idefics3 takes [batch, images, C, H, W]; LLaVA [images, C, H, W]."""
+    t = torch.from_numpy(pixels)
+    return t[None] if tm.config.model_type == "idefics3" else t
+
+
+def _features(tm: Any, pixels: np.ndarray) -> np.ndarray:
+    """transformers' image features, [images, tokens, hidden]."""
+    with torch.no_grad():
+        out = tm.get_image_features(pixel_values=_pixel_values(tm, pixels)).pooler_output
+    return np.concatenate([f.numpy() for f in out]).reshape(len(pixels), -1, out[0].shape[-1])
+
+
 def _theirs(tm: Any, ids: list[int], pixels: np.ndarray) -> np.ndarray:
     with torch.no_grad():
-        out = tm(input_ids=torch.tensor([ids]), pixel_values=torch.from_numpy(pixels))
+        out = tm(input_ids=torch.tensor([ids]), pixel_values=_pixel_values(tm, pixels))
     return out.logits[0].numpy()
 
 
@@ -52,20 +66,21 @@ def _close(ours: np.ndarray, theirs: np.ndarray, what: str) -> None:
 @pytest.fixture(params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def llava(request: Any, tmp_path: Path) -> tuple[Any, Any, str]:
     tower, text = request.param
-    tm = build_llava(tmp_path / "llava", tower, text)
-    return load_model(tmp_path / "llava"), tm, tower
+    if tower == "idefics3":
+        tm = build_idefics3(tmp_path / "vlm")
+    else:
+        tm = build_llava(tmp_path / "vlm", tower, text)
+    return load_model(tmp_path / "vlm"), tm, tower
 
 
 def test_vision_embeddings_match(llava: tuple[Any, Any, str]) -> None:
     model, tm, tower = llava
     vc = model.vision.config
-    assert vc.tower == f"{tower}_vision_model"
-    assert vc.tokens_per_image == (IMAGE_SIZE // 4) ** 2
+    assert vc.tower.startswith(tower)
+    assert vc.tokens_per_image == (IMAGE_SIZE // 4) ** 2 // (4 if tower == "idefics3" else 1)
     pixels = _pixels(2)
     ours = NumpyVision(vc, model.vision.weights).encode(pixels)
-    with torch.no_grad():
-        theirs = tm.get_image_features(pixel_values=torch.from_numpy(pixels)).pooler_output
-    theirs = np.stack([t.numpy() for t in theirs])
+    theirs = _features(tm, pixels)
     assert ours.shape == theirs.shape == (2, vc.tokens_per_image, model.config.hidden_size)
     _close(ours, theirs, "image features")
 
