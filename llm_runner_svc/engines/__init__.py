@@ -31,8 +31,8 @@ def create_vision(engine: Engine, vision: Any) -> Any:
     [B, tokens_per_image, hidden]."""
     module_name, cls_name = _VISION.get(engine.name, _HOST_VISION).split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
-    if cls_name == "NumpyVision":
-        return cls(vision.config, vision.weights)
+    if cls_name == "NumpyVision":  # in turns with the engine's steps at the BLAS threads
+        return cls(vision.config, vision.weights, getattr(engine, "compute_lock", None))
     return cls(vision.config, vision.weights, engine)
 
 

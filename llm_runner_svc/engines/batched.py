@@ -12,8 +12,10 @@ for tools and engine-level tests.
 
 from __future__ import annotations
 
+import threading
 from abc import abstractmethod
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -60,6 +62,10 @@ class BatchedEngine(Engine):
     supports_verify = True
     _verified: dict[int, np.ndarray]  # batch row -> [K, vocab] logits of its verify positions
     _row_adapters: Sequence[int] = ()  # the launching batch's, per row
+    # Held while a launch computes. The vision tower (numpy_vision.py), which runs on Admit's
+    # worker thread, takes it layer by layer: two threads in OpenBLAS at once on a small CPU
+    # run many times slower than the same work taken in turns (docs/benchmarks.md).
+    compute_lock: threading.Lock | None = None
 
     @abstractmethod
     def _run(self, p: Pass) -> tuple[np.ndarray, np.ndarray] | None:
@@ -74,6 +80,10 @@ class BatchedEngine(Engine):
         return self._plan
 
     def launch(self, batch: Batch) -> StepOutput:
+        with self.compute_lock or nullcontext():
+            return self._launch(batch)
+
+    def _launch(self, batch: Batch) -> StepOutput:
         plan = self._checked_plan()
         check_batch(self.config, plan, batch, self.num_adapters)
         tokens = resolve_tokens(batch, self._last_picks)

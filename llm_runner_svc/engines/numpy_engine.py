@@ -10,6 +10,7 @@ to 1.7x faster (docs/benchmarks.md).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -105,6 +106,7 @@ class NumpyEngine(BatchedEngine):
             ))
         self._plan: EnginePlan | None = None
         self._buffers_bytes = 0
+        self.compute_lock = threading.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------
     def preallocate(self, plan: EnginePlan) -> None:

@@ -4,10 +4,12 @@ token (models/vision.py describes the architecture)."""
 from __future__ import annotations
 
 import math
+import threading
+from contextlib import nullcontext
 
 import numpy as np
 
-from llm_runner_svc.models.vision import VisionConfig, VisionWeights
+from llm_runner_svc.models.vision import VisionConfig, VisionLayer, VisionWeights
 
 
 def _erf(x: np.ndarray) -> np.ndarray:
@@ -54,17 +56,25 @@ def patches(pixels: np.ndarray, patch: int) -> np.ndarray:
 
 
 class NumpyVision:
-    """Runs a vision tower on the host; stateless between calls."""
+    """Runs a vision tower on the host; stateless between calls. With `lock` (the host
+    engine's `compute_lock`) each layer runs holding it, so the tower and the engine's steps
+    take turns at the BLAS threads instead of running at once."""
 
-    def __init__(self, config: VisionConfig, weights: VisionWeights) -> None:
+    def __init__(self, config: VisionConfig, weights: VisionWeights,
+                 lock: threading.Lock | None = None) -> None:
         self.config = config
         self.w = weights
+        self._lock = lock
+
+    def _turn(self) -> threading.Lock | nullcontext[None]:
+        return self._lock or nullcontext()
 
     def hidden_states(self, pixels: np.ndarray) -> list[np.ndarray]:
         """[B, C, H, W] float32 -> the tower's hidden states [B, positions, hidden], the
         embeddings first, then each kept layer's output (HF `hidden_states`)."""
         c, w = self.config, self.w
-        x = patches(np.asarray(pixels, np.float32), c.patch_size) @ w.patch_w.T
+        with self._turn():
+            x = patches(np.asarray(pixels, np.float32), c.patch_size) @ w.patch_w.T
         if w.patch_b is not None:
             x = x + w.patch_b
         if w.cls is not None:
@@ -74,35 +84,47 @@ class NumpyVision:
         if w.pre_ln is not None:
             x = layer_norm(x, *w.pre_ln, c.layer_norm_eps)
         out = [x]
-        b, n, hd = x.shape[0], x.shape[1], c.head_dim
         for lw in w.layers:
-            h = layer_norm(x, lw.ln1_w, lw.ln1_b, c.layer_norm_eps)
-
-            def heads(t: np.ndarray) -> np.ndarray:
-                return t.reshape(b, n, c.num_heads, hd).transpose(0, 2, 1, 3)
-
-            q = heads(h @ lw.wq.T + lw.bq) * hd ** -0.5
-            k, v = heads(h @ lw.wk.T + lw.bk), heads(h @ lw.wv.T + lw.bv)
-            s = q @ k.transpose(0, 1, 3, 2)  # [B, heads, n, n]
-            s = np.exp(s - s.max(-1, keepdims=True))
-            s /= s.sum(-1, keepdims=True)
-            a = (s @ v).transpose(0, 2, 1, 3).reshape(b, n, c.hidden_size)
-            x = x + a @ lw.wo.T + lw.bo
-            h = layer_norm(x, lw.ln2_w, lw.ln2_b, c.layer_norm_eps)
-            h = activation(c.hidden_act, h @ lw.fc1_w.T + lw.fc1_b)
-            x = x + h @ lw.fc2_w.T + lw.fc2_b
+            with self._turn():
+                x = self._layer(lw, x)
             out.append(x)
         return out
+
+    def _layer(self, lw: VisionLayer, x: np.ndarray) -> np.ndarray:
+        """One encoder layer over x [B, n, hidden]."""
+        c = self.config
+        b, n, hd = x.shape[0], x.shape[1], c.head_dim
+        h = layer_norm(x, lw.ln1_w, lw.ln1_b, c.layer_norm_eps)
+
+        def heads(t: np.ndarray) -> np.ndarray:
+            return t.reshape(b, n, c.num_heads, hd).transpose(0, 2, 1, 3)
+
+        q = heads(h @ lw.wq.T + lw.bq) * hd ** -0.5
+        k, v = heads(h @ lw.wk.T + lw.bk), heads(h @ lw.wv.T + lw.bv)
+        s = q @ k.transpose(0, 1, 3, 2)  # [B, heads, n, n]
+        s = np.exp(s - s.max(-1, keepdims=True))
+        s /= s.sum(-1, keepdims=True)
+        a = (s @ v).transpose(0, 2, 1, 3).reshape(b, n, c.hidden_size)
+        x = x + a @ lw.wo.T + lw.bo
+        h = layer_norm(x, lw.ln2_w, lw.ln2_b, c.layer_norm_eps)
+        h = activation(c.hidden_act, h @ lw.fc1_w.T + lw.fc1_b)
+        return x + h @ lw.fc2_w.T + lw.fc2_b
 
     def encode(self, pixels: np.ndarray) -> np.ndarray:
         """[B, C, H, W] -> [B, tokens_per_image, text_hidden]: the projected features of the
         feature layers, what replaces the image tokens' embeddings."""
-        c, w = self.config, self.w
+        c = self.config
         states = self.hidden_states(pixels)
         feats = [states[f if f >= 0 else c.num_layers + 1 + f] for f in c.feature_layers]
         if c.drop_cls:
             feats = [f[:, 1:] for f in feats]
         x = np.concatenate(feats, axis=-1)
+        with self._turn():
+            return self._project(x)
+
+    def _project(self, x: np.ndarray) -> np.ndarray:
+        """The connector: [B, positions, features] -> [B, tokens_per_image, text_hidden]."""
+        c, w = self.config, self.w
         if w.post_ln is not None:
             x = layer_norm(x, *w.post_ln, c.layer_norm_eps)
         if c.connector == "pixel_shuffle":
