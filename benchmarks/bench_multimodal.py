@@ -10,7 +10,8 @@ arrive to its first token. Modes, each against the baseline in the same run:
   cold        every image new: decode + tower + prefill of every token (the baseline)
   pruned      the same, DART pruning at ratio 0.5 (half the image tokens prefilled)
   warm        every image already in the encoder cache: no decoder, no tower
-Medians over --repeats rounds, after one untimed request.
+Medians over --repeats rounds, the modes alternating round by round (so a change in the
+machine's load falls on all of them), after one untimed request.
 
 Usage: python benchmarks/bench_multimodal.py [--concurrency 1,4,16] [--repeats 2]
            [--text-layers 8] [--vision-layers 12] [--tokens-per-step 256]
@@ -142,30 +143,30 @@ def main() -> None:
           "| slowest ms | encoder ms per image | vs cold |")
     print("|---|---|---|---|---|---|---|")
     seed = 0
+    modes = {"cold": (None, None), "pruned": (None, PruningConfig(0.5, 1, 4, 4)),
+             "warm": (EncoderCache(1 << 30), None)}
+    encoders = {m: ImageEncoder(model, tower, RequestLimits(), cache, pruning)
+                for m, (cache, pruning) in modes.items()}
     for c in concurrency:
-        results: dict[str, tuple[float, float, float, int]] = {}
-        for mode in ("cold", "pruned", "warm"):
-            medians, slowest, enc = [], [], []
-            cache = EncoderCache(1 << 30) if mode == "warm" else None
-            pruning = PruningConfig(0.5, 1, 4, 4) if mode == "pruned" else None
-            encoder = ImageEncoder(model, tower, RequestLimits(), cache, pruning)
-            for _ in range(args.repeats):
+        samples: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
+        for _ in range(args.repeats):
+            for mode, encoder in encoders.items():  # modes alternate: load drifts hit all
                 images = [png(seed + i) for i in range(c)]
                 seed += c
                 if mode == "warm":
                     round_ms(rt, encoder, images, prompt)  # fills the cache, untimed
                 times, encoder_ms = round_ms(rt, encoder, images, prompt)
-                medians.append(statistics.median(times))
-                slowest.append(max(times))
-                enc.append(encoder_ms / c)
+                samples[mode].append((statistics.median(times), max(times), encoder_ms / c))
+        base = statistics.median(t[0] for t in samples["cold"])
+        for mode, rows in samples.items():
+            pruning = modes[mode][1]
             kept = vc.tokens_per_image if pruning is None else pruning.num_kept(
                 vc.tokens_per_image)
-            results[mode] = (statistics.median(medians), statistics.median(slowest),
-                             statistics.median(enc), kept)
-        base = results["cold"][0]
-        for mode, (med, slow, enc_ms, kept) in results.items():
+            med = statistics.median(t[0] for t in rows)
+            slow = statistics.median(t[1] for t in rows)
+            enc_ms = statistics.median(t[2] for t in rows)
             print(f"| {c} | {mode} | {kept} | {med:.0f} | {slow:.0f} | {enc_ms:.0f} | "
-                  f"{med / base:.2f}x |")
+                  f"{med / base:.2f}x |", flush=True)
     rt.close()
 
 

@@ -67,6 +67,12 @@ class StageMetrics:
                                             lambda s: s.prefix_cache_pages),
             "llmstage_prefix_cache_evictions": ("Cached pages evicted for new requests",
                                                 lambda s: s.prefix_cache_evictions),
+            "llmstage_encoder_cache_bytes": ("Bytes of image embeddings the encoder cache holds",
+                                             lambda s: s.encoder_cache_bytes),
+            "llmstage_encoder_cache_hits": ("Images served from the encoder cache so far",
+                                            lambda s: s.encoder_cache_hits),
+            "llmstage_images_encoded": ("Images run through the vision tower so far",
+                                        lambda s: s.images_encoded),
             "llmstage_spec_acceptance_rate": (
                 "Proposed tokens accepted over proposed, every speculative step so far",
                 lambda s: s.spec.acceptance_rate if s.spec is not None else 0.0),

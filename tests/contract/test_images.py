@@ -122,6 +122,9 @@ def test_text_prompt_with_an_image_matches_transformers(server: StageServer,
     assert other == _reference(tm, ids, _pixels(path, [png(2)]))
     stats = server.wait_idle()
     assert stats["encoder_cache_entries"] == 2 and stats["encoder_cache_hits"] >= 1
+    gauge = server.stage.metrics.registry.get_sample_value
+    assert gauge("llmstage_encoder_cache_hits") == stats["encoder_cache_hits"]
+    assert gauge("llmstage_images_encoded") == stats["images_encoded"]
 
 
 def test_chat_with_two_images_in_the_order_the_parts_place_them(

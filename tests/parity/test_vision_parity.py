@@ -162,3 +162,20 @@ def test_torch_cpu_tower_and_prefill_match(llava: tuple[Any, Any, str]) -> None:
                                     keep_logits=True)))
     _close(engine.logits(1)[0], _theirs(tm, ids, pixels)[-1], "torch prefill")
     engine.close()
+
+
+def test_multimodal_artifact_brings_the_tower_to_a_text_model(tmp_path: Path,
+                                                              hf_model_dir: Any) -> None:
+    """`multimodal_artifact`: the tower of a LLaVA directory beside a text-only model of the
+    same width; a tower whose projector does not fit the text model is refused by name."""
+    from llm_runner_svc.errors import ModelFormatError
+
+    build_llava(tmp_path / "llava", "clip", "llama")
+    text_dir, _ = hf_model_dir("llama")
+    model = load_model(text_dir, multimodal=tmp_path / "llava")
+    assert model.vision is not None and model.vision.config.text_hidden_size == 64
+    assert model.vision.image_token == "<image>"
+    assert load_model(text_dir).vision is None
+    wide_dir, _ = hf_model_dir("llama", name="wide", hidden_size=96)
+    with pytest.raises(ModelFormatError, match="projector"):
+        load_model(wide_dir, multimodal=tmp_path / "llava")
