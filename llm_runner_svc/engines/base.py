@@ -21,7 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llm_runner_svc.engines.batch import (
     GREEDY_TEMPERATURE,
@@ -32,8 +32,11 @@ from llm_runner_svc.engines.batch import (
     SampleSpec,
     StepOutput,
 )
-from llm_runner_svc.errors import FailedPrecondition, InvalidArgument
+from llm_runner_svc.errors import FailedPrecondition, InvalidArgument, Unimplemented
 from llm_runner_svc.models.spec import ModelConfig
+
+if TYPE_CHECKING:  # models/lora.py holds numpy arrays; this module imports no tensor library
+    from llm_runner_svc.models.lora import LoraAdapter
 
 __all__ = ["GREEDY_TEMPERATURE", "Batch", "DecodeRow", "Engine", "EnginePlan",
            "HiddenStates", "SampleSpec", "StepOutput"]
@@ -64,6 +67,7 @@ class DecodeRow:
     position: int
     page_table: Sequence[int]  # page ids holding positions 0 .. position
     capture_hidden: bool = False
+    adapter: int = 0  # the LoRA adapter slot (0: the base model)
 
 
 class Engine(ABC):
@@ -73,7 +77,7 @@ class Engine(ABC):
     config: ModelConfig
     default_step_tokens = 512  # tokens per step unless the deployment says (maxTokensPerStep)
     supports_verify = False  # returns `StepOutput.verified` for rows with `verify`
-    num_adapters = 0  # LoRA adapters a row may name (Row.adapter 1 .. num_adapters)
+    num_adapters = 0  # LoRA adapter slots a row may name (Row.adapter 1 .. num_adapters)
 
     @abstractmethod
     def preallocate(self, plan: EnginePlan) -> None:
@@ -123,6 +127,12 @@ class Engine(ABC):
     def close(self) -> None:
         """Release every buffer. Idempotent."""
 
+    def set_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Put a LoRA adapter (loaded for this model) into adapter slot `slot` (1 ..
+        num_adapters), or empty the slot (None). Between steps, on the stepping thread: no
+        row of a step still running may name the slot (the runtime's `set_adapter`)."""
+        raise Unimplemented(f"the {self.name} engine serves no LoRA adapters")
+
     def memory_bytes(self) -> int:
         """Bytes held by preallocated buffers (weights excluded); 0 before preallocate."""
         return 0
@@ -164,6 +174,22 @@ def check_prefill_fits(plan: EnginePlan, num_tokens: int, start_pos: int) -> Non
 def check_token_ids(config: ModelConfig, token_ids: Sequence[int]) -> None:
     if min(token_ids) < 0 or max(token_ids) >= config.vocab_size:
         raise InvalidArgument(f"token id outside the vocabulary 0..{config.vocab_size - 1}")
+
+
+def adapter_slots(adapters: Sequence[Any], max_adapters: int | None) -> int:
+    """An engine's adapter slots: `max_adapters` (None: as many as `adapters`), which must
+    hold the adapters it starts with."""
+    slots = len(adapters) if max_adapters is None else max_adapters
+    if slots < len(adapters):
+        raise InvalidArgument(f"maxLoras {slots} is below the {len(adapters)} adapters "
+                              "loaded at start")
+    return slots
+
+
+def check_adapter_slot(engine: Engine, slot: int, adapter: Any) -> None:
+    if not 1 <= slot <= engine.num_adapters:
+        raise InvalidArgument(f"adapter slot {slot}: the engine has slots 1.."
+                              f"{engine.num_adapters}")
 
 
 def check_batch(config: ModelConfig, plan: EnginePlan, batch: Batch,

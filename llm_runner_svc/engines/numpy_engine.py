@@ -18,6 +18,8 @@ import numpy as np
 
 from llm_runner_svc.engines.base import (
     EnginePlan,
+    adapter_slots,
+    check_adapter_slot,
     check_hidden_layer,
     check_token_ids,
     is_same_plan,
@@ -67,17 +69,21 @@ class NumpyEngine(BatchedEngine):
     default_step_tokens = 16
 
     def __init__(self, config: ModelConfig, weights: ModelWeights,
-                 kv_dtype: str = "float32", adapters: Sequence[LoraAdapter] = ()) -> None:
+                 kv_dtype: str = "float32", adapters: Sequence[LoraAdapter] = (),
+                 max_adapters: int | None = None) -> None:
         """`kv_dtype` "bfloat16" rounds keys and values to bf16 as they enter the (float32)
         pool: the storage precision of an engine with a bf16 KV cache, everything else in
         float32, as a reference for such an engine. A row with `adapter` k runs with
-        `adapters[k - 1]` (loaded for this model's shape)."""
+        `adapters[k - 1]` (loaded for this model's shape). `max_adapters`: the adapter
+        slots (at least len(adapters)); `set_adapter` fills or empties one."""
         weights.check(config)
         if kv_dtype not in ("float32", "bfloat16"):
             raise InvalidArgument(f"kv_dtype {kv_dtype!r}: 'float32' or 'bfloat16'")
         self._round_kv = kv_dtype == "bfloat16"
-        self._lora = LoraProducts(config, adapters) if adapters else None
-        self.num_adapters = len(adapters)
+        self.num_adapters = adapter_slots(adapters, max_adapters)
+        self._lora = LoraProducts(config, self.num_adapters) if self.num_adapters else None
+        for k, adapter in enumerate(adapters, 1):
+            self.set_adapter(k, adapter)
         self.config = config
         c = config
         self._emb = np.ascontiguousarray(weights.embedding, dtype=np.float32)  # [vocab, hidden]
@@ -275,6 +281,11 @@ class NumpyEngine(BatchedEngine):
                 logits = h @ self._lm_head_t  # [K + 1, vocab]
                 self._verified[s.row] = logits[:-1]
                 self._logits[s.row] = logits[-1]
+
+    def set_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
+        check_adapter_slot(self, slot, adapter)
+        assert self._lora is not None
+        self._lora.set(slot, adapter)
 
     # ---- internals -------------------------------------------------------------------
     def _lora_groups(self, rows: Sequence[int], lengths: Sequence[int]) -> Groups:

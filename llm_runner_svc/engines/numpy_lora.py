@@ -64,20 +64,32 @@ def group_rows(adapters: Sequence[int], lengths: Sequence[int]) -> Groups:
 
 
 class LoraProducts:
-    """The adapters' fused matrices; adapter k (1-based) is `adapters[k - 1]`."""
+    """The adapters' fused matrices in `num_slots` slots; a row's adapter k (1-based) runs
+    with the adapter set into slot k (`set`)."""
 
-    def __init__(self, cfg: ModelConfig, adapters: Sequence[LoraAdapter]) -> None:
-        self.num_adapters = len(adapters)
-        # _mats[k - 1][layer][matrix] = (A^T, B^T) or None
-        self._mats = [[{name: fuse_matrices(cfg, a, i, mods) for name, mods in FUSED.items()}
-                       for i in range(cfg.num_layers)] for a in adapters]
+    def __init__(self, cfg: ModelConfig, num_slots: int) -> None:
+        self.cfg = cfg
+        self.num_slots = num_slots
+        # _mats[k - 1][layer][matrix] = (A^T, B^T) or None; None for an empty slot
+        self._mats: list[list[dict[str, Fused | None]] | None] = [None] * num_slots
+
+    def set(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Put `adapter` into `slot` (1-based), or empty it (None)."""
+        cfg = self.cfg
+        self._mats[slot - 1] = None if adapter is None else [
+            {name: fuse_matrices(cfg, adapter, i, mods) for name, mods in FUSED.items()}
+            for i in range(cfg.num_layers)]
+
+    def has(self, slot: int) -> bool:
+        return self._mats[slot - 1] is not None
 
     def add(self, layer: int, matrix: str, x: np.ndarray, out: np.ndarray,
             groups: Groups) -> None:
         """out[rows] += x[rows] @ A^T @ (scale B)^T for each adapter's rows; x [n, in],
         out [n, out]."""
         for k, rows in groups:
-            mats = self._mats[k - 1][layer][matrix]
+            per_layer = self._mats[k - 1]
+            mats = None if per_layer is None else per_layer[layer][matrix]
             if mats is None:
                 continue
             t = x[rows] @ mats[0]  # [rows, R]

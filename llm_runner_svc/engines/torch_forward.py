@@ -44,8 +44,9 @@ def has_float32_products(device: torch.device, dtype: torch.dtype) -> bool:
     return bool(torch.allclose(x, want, rtol=1e-3, atol=1e-3))
 
 
-def _unfused(weight: torch.Tensor, mode: int) -> bool:
-    return False
+def _without_silu_gate(fused: Callable[[torch.Tensor, int], bool]
+                       ) -> Callable[[torch.Tensor, int], bool]:
+    return lambda w, mode: mode != SILU_GATE and fused(w, mode)
 
 
 class Forward:
@@ -125,21 +126,36 @@ class Forward:
 
     def layers(self, n: int, positions: torch.Tensor, slots: torch.Tensor | None,
                attend: Attend, capture: bool, fused: Callable[[torch.Tensor, int], bool],
-               lora: TorchGroups = ()) -> None:
+               lora: TorchGroups = (), lora_slots: torch.Tensor | None = None) -> None:
         """Every decoder layer over residual rows 0..n-1 at `positions` [n] whose k and v
         go to pool rows `slots` [n] int64; None: `attend` rotates q and k and stores k and
-        v itself. A fused product takes and leaves float32 activations. `lora`: the rows
-        of each LoRA adapter (`TorchLora.groups`), whose products then all run unfused."""
+        v itself. A fused product takes and leaves float32 activations. LoRA products: by
+        `lora`, the rows of each adapter (`TorchLora.groups`), or by `lora_slots`, each
+        row's adapter slot [n] int32 on the device (`TorchLora.add_rows`, graph-safe).
+        With either, gate/up runs unfused (its LoRA product goes in before the SiLU) and a
+        fused q/k/v product gets its normed input computed apart for the adapters."""
         s, ops, products = self.s, self.ops, self.products
-        adapters = self.lora if lora else None
+        adapters = self.lora if (lora or lora_slots is not None) else None
+
+        def add_lora(li: int, matrix: str, inp: torch.Tensor, out: torch.Tensor) -> None:
+            assert adapters is not None
+            if lora_slots is not None:
+                adapters.add_rows(li, matrix, inp, out, lora_slots)
+            else:
+                adapters.add(li, matrix, inp, out, lora)
+
         if adapters is not None:
-            fused = _unfused
+            fused = _without_silu_gate(fused)
+            if lora_slots is not None:
+                adapters.begin_rows(n)
         x, h = s.x[:n], s.h[:n]
         for li, lw in enumerate(self.weights.layers):
             if fused(lw.qkv, STORE):
                 assert products is not None
                 qkv = s.qkv_f[:n]
                 products.norm_product(x, lw.attn_norm, lw.qkv, lw.qkv_bias, qkv)
+                if adapters is not None:
+                    ops.rms_norm(x, lw.attn_norm, h)
             else:
                 qkv = s.qkv[:n]
                 ops.rms_norm(x, lw.attn_norm, h)
@@ -147,8 +163,8 @@ class Forward:
                     torch.addmm(lw.qkv_bias, h, lw.qkv.t(), out=qkv)
                 else:
                     torch.mm(h, lw.qkv.t(), out=qkv)
-                if adapters is not None:
-                    adapters.add(li, "qkv", h, qkv, lora)
+            if adapters is not None:
+                add_lora(li, "qkv", h, qkv)
             if slots is not None:
                 ops.rope_store(qkv, positions, slots, s.cos, s.sin, s.k_pool[li],
                                s.v_pool[li], lw.q_norm, lw.k_norm)
@@ -161,7 +177,7 @@ class Forward:
             else:
                 self._accumulate(x, attn, lw.wo)
             if adapters is not None:
-                adapters.add(li, "o", attn, x, lora)
+                add_lora(li, "o", attn, x)
             down_fused = fused(lw.down, ACCUMULATE)
             act = s.act_f[:n] if down_fused else s.act[:n]
             if fused(lw.gate_up, SILU_GATE):
@@ -171,7 +187,7 @@ class Forward:
                 ops.rms_norm(x, lw.ffn_norm, h)
                 torch.mm(h, lw.gate_up.t(), out=s.gate_up[:n])
                 if adapters is not None:
-                    adapters.add(li, "gate_up", h, s.gate_up[:n], lora)
+                    add_lora(li, "gate_up", h, s.gate_up[:n])
                 ops.silu_mul(s.gate_up[:n], act)
             if down_fused:
                 assert products is not None
@@ -179,7 +195,7 @@ class Forward:
             else:
                 self._accumulate(x, act, lw.down)
             if adapters is not None:
-                adapters.add(li, "down", act, x, lora)
+                add_lora(li, "down", act, x)
             self._stage_state(li + 1, n, capture)
         self._stage_state(-1, n, capture)
 
@@ -211,9 +227,9 @@ class Forward:
 
     def decode(self, batch: int, ids: torch.Tensor, positions: torch.Tensor,
                tables: torch.Tensor, capture: bool,
-               lora: TorchGroups = ()) -> None:
+               lora: TorchGroups = (), lora_slots: torch.Tensor | None = None) -> None:
         """One decode step of `batch` rows, then their greedy picks (the graph body, with
-        no `lora` rows)."""
+        no `lora` groups; `lora_slots`: each row's adapter slot, see `layers`)."""
         s = self.s
 
         def attend(li: int, qkv: torch.Tensor, out: torch.Tensor) -> None:
@@ -224,7 +240,7 @@ class Forward:
         slots = (None if self.ops.ropes_in_decode_attention
                  else pool_slots(positions, tables, self.page_size))
         self.embed(ids, batch, capture)
-        self.layers(batch, positions, slots, attend, capture, fused, lora)
+        self.layers(batch, positions, slots, attend, capture, fused, lora, lora_slots)
         self.head(s.x[:batch], fused)
         self.ops.argmax(s.logits[:batch], s.next_ids[:batch])
 

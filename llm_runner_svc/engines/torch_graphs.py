@@ -1,12 +1,15 @@
 """Decode-step inputs and CUDA graphs.
 
-`InputStager` writes a batch's token ids, positions and page tables into one packed int32
-buffer (pinned host memory on CUDA, then a single asynchronous copy), rewriting a row's page
-table only when that row's table changed (compared by content: a request's page list is
-emptied and refilled in place when it is preempted). `DecodeGraphs` captures one decode step per
-batch-size bucket; a batch runs in the smallest bucket that holds it, its padding rows aimed
-at the scratch page. `PrefillGraphs` does the same for prefill forwards of up to a few
-hundred tokens, padded to a bucket of token counts.
+`InputStager` writes a batch's token ids, positions, LoRA adapter slots and page tables into
+one packed int32 buffer (pinned host memory on CUDA, then a single asynchronous copy),
+rewriting a row's page table only when that row's table changed (compared by content: a
+request's page list is emptied and refilled in place when it is preempted). `DecodeGraphs`
+captures one decode step per batch-size bucket, and on an engine whose LoRA adapters run per
+row a second per bucket whose products add each row's adapter (its slot read from the packed
+inputs; torch_lora.py), replayed when a row names one; a batch runs in the smallest bucket
+that holds it, its padding rows aimed at the scratch page, on the base model.
+`PrefillGraphs` does the same for prefill forwards of up to a few hundred tokens, padded to a
+bucket of token counts.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from llm_runner_svc.engines.base import DecodeRow
 from llm_runner_svc.engines.torch_forward import Forward
 from llm_runner_svc.engines.torch_prefill import PrefillChunk, PrefillLayout, PrefillStager
-from llm_runner_svc.engines.torch_state import RunState, decode_views
+from llm_runner_svc.engines.torch_state import RunState, decode_adapters, decode_views
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -49,17 +52,18 @@ class InputStager:
         if self._is_cuda:
             self._copied.synchronize()  # the previous step's copy has left the buffer
         b, pages = len(rows), self._pages
-        size = bucket * (2 + pages)
+        size = bucket * (3 + pages)
         flat = self._host_np[:size]
         if bucket != self._bucket:
-            flat[:2 * bucket] = 0
-            flat[2 * bucket:] = self._scratch
+            flat[:3 * bucket] = 0
+            flat[3 * bucket:] = self._scratch
             self._bucket = bucket
             self._rows = [None] * bucket
-        ids, pos, tables = flat[:bucket], flat[bucket:2 * bucket], flat[2 * bucket:].reshape(
-            bucket, pages)
+        ids, pos, slots = flat[:bucket], flat[bucket:2 * bucket], flat[2 * bucket:3 * bucket]
+        tables = flat[3 * bucket:].reshape(bucket, pages)
         ids[:b] = [r.token_id for r in rows]
         pos[:b] = [r.position for r in rows]
+        slots[:b] = [r.adapter for r in rows]
         for i, r in enumerate(rows):
             table = list(r.page_table)
             if self._rows[i] != table:
@@ -68,7 +72,7 @@ class InputStager:
                 self._rows[i] = table
         for i in range(b, bucket):
             if self._rows[i] is not None:
-                ids[i] = pos[i] = 0
+                ids[i] = pos[i] = slots[i] = 0
                 tables[i] = self._scratch
                 self._rows[i] = None
         if self._is_cuda:
@@ -77,8 +81,9 @@ class InputStager:
 
 
 class DecodeGraphs:
-    """One captured decode step per bucket; `capture_hidden` fixes whether the graphs stage
-    hidden states (they do whenever the plan has a hidden layer)."""
+    """One captured decode step per bucket (and per bucket with LoRA products, when the
+    forward's adapters run per row); `capture_hidden` fixes whether the graphs stage hidden
+    states (they do whenever the plan has a hidden layer)."""
 
     def __init__(self, forward: Forward, state: RunState, max_batch: int,
                  capture_hidden: bool) -> None:
@@ -86,14 +91,19 @@ class DecodeGraphs:
         self._forward = forward
         self._state = state
         self._capture_hidden = capture_hidden
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        lora = forward.lora
+        self.has_lora = lora is not None and lora.is_per_row  # adapter rows may replay
+        self._variants = (False, True) if self.has_lora else (False,)
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
 
     def bucket_for(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
 
-    def _body(self, bucket: int) -> None:
+    def _body(self, bucket: int, with_lora: bool) -> None:
         ids, positions, tables = decode_views(self._state, bucket)
-        self._forward.decode(bucket, ids, positions, tables, self._capture_hidden)
+        slots = decode_adapters(self._state, bucket) if with_lora else None
+        self._forward.decode(bucket, ids, positions, tables, self._capture_hidden,
+                             lora_slots=slots)
 
     def capture(self) -> None:
         """Warm every bucket up (kernel compilation, library handles) on a side stream, then
@@ -102,19 +112,21 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for bucket in self.buckets:
-                self._body(bucket)
+                for with_lora in self._variants:
+                    self._body(bucket, with_lora)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._body(bucket)
-            self._graphs[bucket] = graph
+            for with_lora in self._variants:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._body(bucket, with_lora)
+                self._graphs[bucket, with_lora] = graph
         torch.cuda.synchronize()
 
-    def replay(self, bucket: int) -> None:
-        self._graphs[bucket].replay()
+    def replay(self, bucket: int, with_lora: bool = False) -> None:
+        self._graphs[bucket, with_lora].replay()
 
     def close(self) -> None:
         self._graphs.clear()

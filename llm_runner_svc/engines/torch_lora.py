@@ -1,50 +1,107 @@
-"""LoRA products for the torch engine, grouped by adapter (S-LoRA/Punica style).
+"""LoRA adapters of the torch engine, in preallocated stacked buffers.
 
-The same fused matrices as the numpy engine (numpy_lora.py): per adapter, layer and engine
-matrix, A^T [in, R] and scale * B^T [R, out], held float32 on the engine's device. A forward
-whose rows name adapters adds, per adapter present, `(x[rows] @ A^T) @ B^T` onto the base
-product of its rows, as eager torch operations: such a forward runs eagerly (on CUDA it
-bypasses the captured graphs and the fused products, which know nothing of adapters).
+Per engine matrix (q/k/v fused, o, gate/up fused, down; numpy_lora.FUSED) the adapters live
+in two buffers claimed once for every slot: A^T [layers, slots + 1, in, M r] (the matrix's M
+modules' A^T side by side, each in r = `max_rank` columns) and scale * B^T [layers, slots + 1,
+r, out] (each module's B^T over its own output columns). Slot 0 stays zero: the base model.
+An adapter of a smaller rank, or without some of the modules, fills the rest with zeros,
+which add exact zeros. Loading an adapter into a slot copies into the buffers
+(`set`); nothing is reallocated, so captured CUDA graphs keep reading the right memory.
+
+Two ways to run the products, both adding onto the base product of the same rows:
+  - `add` (grouped): per adapter present, its rows' (x @ A^T) @ B^T as plain torch products
+    (prefill passes; decode steps on the CPU);
+  - `add_rows` (per row, graph-safe): each row's adapter slot read from a device tensor, by
+    the Triton kernels of torch_lora_triton.py ("triton"), or by torch products over each
+    row's gathered matrices ("gather", the reference of the same path on any device).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from llm_runner_svc.engines.numpy_lora import FUSED, Fused, fuse_matrices, group_rows
-from llm_runner_svc.models.lora import LoraAdapter
+from llm_runner_svc.engines.numpy_lora import FUSED, group_rows
+from llm_runner_svc.errors import InvalidArgument
+from llm_runner_svc.models.lora import LoraAdapter, module_shape
 from llm_runner_svc.models.spec import ModelConfig
 
-_TorchFused = tuple[torch.Tensor, list[tuple[slice, slice, torch.Tensor]]]
-TorchGroups = Sequence[tuple[int, slice | torch.Tensor]]  # (adapter index, its rows)
+TorchGroups = Sequence[tuple[int, slice | torch.Tensor]]  # (adapter slot, its rows)
+KERNELS = ("grouped", "gather", "triton")
 
 
 class TorchLora:
-    """The adapters' fused matrices on `device`; adapter k (1-based) is `adapters[k - 1]`."""
+    """`num_slots` adapter slots of rank up to `max_rank`, stored in `dtype` on `device`.
+    `kernel`: how `add_rows` runs ("gather" or "triton"); "grouped": it is not used."""
 
-    def __init__(self, cfg: ModelConfig, adapters: Sequence[LoraAdapter],
-                 device: torch.device) -> None:
-        self.device = device
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int,
+                 device: torch.device, dtype: torch.dtype, kernel: str = "grouped") -> None:
+        if kernel not in KERNELS:
+            raise InvalidArgument(f"lora_kernel {kernel!r}: one of {list(KERNELS)}")
+        if max_rank <= 0:
+            raise InvalidArgument(f"maxLoraRank must be positive, got {max_rank}")
+        self.cfg, self.num_slots, self.rank = cfg, num_slots, max_rank
+        self.device, self.dtype, self.kernel = device, dtype, kernel
+        self.is_per_row = kernel != "grouped"  # decode steps run `add_rows` (graph-safe)
+        L, r = cfg.num_layers, max_rank
+        self.a: dict[str, torch.Tensor] = {}  # [layers, slots + 1, in, M r]
+        self.b: dict[str, torch.Tensor] = {}  # [layers, slots + 1, r, out]
+        self.bounds: dict[str, list[int]] = {}  # output column where each module starts
+        for name, mods in FUSED.items():
+            in_dim = module_shape(cfg, mods[0])[1]
+            outs = [module_shape(cfg, m)[0] for m in mods]
+            self.a[name] = torch.zeros(L, num_slots + 1, in_dim, len(mods) * r, dtype=dtype,
+                                       device=device)
+            self.b[name] = torch.zeros(L, num_slots + 1, r, sum(outs), dtype=dtype,
+                                       device=device)
+            self.bounds[name] = [int(c) for c in np.cumsum([0, *outs])]
+        self.max_r_cols = 3 * r  # the widest matrix's M r (q/k/v)
+        self.t: torch.Tensor | None = None  # [4 layers, rows, 3 r] float32 (`reserve`)
+        self.names: list[str | None] = [None] * (num_slots + 1)  # the adapter in each slot
+        self.nbytes = sum(t.nbytes for t in (*self.a.values(), *self.b.values()))
 
-        def put(fused: Fused | None) -> _TorchFused | None:
-            if fused is None:
-                return None
-            return (torch.as_tensor(fused[0], device=device),
-                    [(rs, cs, torch.as_tensor(b, device=device)) for rs, cs, b in fused[1]])
+    # ---- slots -----------------------------------------------------------------------
+    def set(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Copy `adapter` into `slot` (1-based), or zero the slot (None). Stream-ordered on
+        CUDA: steps launched before read the old contents."""
+        if adapter is not None and adapter.rank > self.rank:
+            raise InvalidArgument(f"LoRA adapter {adapter.name!r} has rank {adapter.rank}; "
+                                  f"this stage holds adapters of rank up to {self.rank} "
+                                  "(maxLoraRank)")
+        r, L = self.rank, self.cfg.num_layers
+        for name, mods in FUSED.items():
+            a_host = np.zeros(self.a[name].shape[2:], np.float32)
+            b_host = np.zeros(self.b[name].shape[2:], np.float32)
+            for li in range(L):
+                a_host[:] = 0.0
+                b_host[:] = 0.0
+                for j, m in enumerate(mods):
+                    pair = None if adapter is None else adapter.layers[li].get(m)
+                    if pair is None:
+                        continue
+                    assert adapter is not None
+                    a, b = pair  # [rank, in], [out_m, rank]
+                    c0, c1 = self.bounds[name][j], self.bounds[name][j + 1]
+                    a_host[:, j * r:j * r + adapter.rank] = a.T
+                    b_host[:adapter.rank, c0:c1] = adapter.scale * b.T
+                self.a[name][li, slot].copy_(torch.from_numpy(a_host))
+                self.b[name][li, slot].copy_(torch.from_numpy(b_host))
+        self.names[slot] = None if adapter is None else adapter.name
 
-        # _mats[k - 1][layer][matrix] = (A^T [in, R], per module (rank columns, output
-        # columns, scale * B^T [r, out_m])) float32, or None
-        self._mats = [[{name: put(fuse_matrices(cfg, a, i, mods)) for name, mods in FUSED.items()}
-                       for i in range(cfg.num_layers)] for a in adapters]
-        self.nbytes = sum(f[0].nbytes + sum(b.nbytes for _, _, b in f[1])
-                          for per in self._mats for layer in per for f in layer.values()
-                          if f is not None)
+    def reserve(self, rows: int) -> int:
+        """Claim the per-row path's scratch for forwards of up to `rows` rows; its bytes."""
+        if not self.is_per_row:
+            return 0
+        self.t = torch.zeros(4 * self.cfg.num_layers, rows, self.max_r_cols,
+                             dtype=torch.float32, device=self.device)
+        return self.t.nbytes
 
+    # ---- grouped products --------------------------------------------------------------
     def groups(self, adapters: Sequence[int], lengths: Sequence[int]) -> TorchGroups:
-        """Forward rows by adapter for consecutive stretches of `lengths` rows on
-        `adapters`; [] when no row names one (the forward may then run as captured)."""
+        """Forward rows by adapter slot for consecutive stretches of `lengths` rows on
+        `adapters`; [] when no row names one."""
         out: list[tuple[int, slice | torch.Tensor]] = []
         for k, rows in group_rows(adapters, lengths):
             out.append((k, rows if isinstance(rows, slice)
@@ -55,15 +112,45 @@ class TorchLora:
             groups: TorchGroups) -> None:
         """out[rows] += x[rows] @ A^T @ (scale B)^T for each adapter's rows, in float32;
         x [n, in], out [n, out] (any float dtype)."""
+        r, bounds = self.rank, self.bounds[matrix]
         for k, rows in groups:
-            mats = self._mats[k - 1][layer][matrix]
-            if mats is None:
-                continue
+            a, b = self.a[matrix][layer, k], self.b[matrix][layer, k]
             xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-            t = xs.float() @ mats[0]  # [rows, R]
-            for rank_cols, out_cols, b_t in mats[1]:
-                delta = (t[:, rank_cols] @ b_t).to(out.dtype)
+            t = xs.float() @ a.float()  # [rows, M r]
+            for j in range(len(bounds) - 1):
+                c0, c1 = bounds[j], bounds[j + 1]
+                delta = (t[:, j * r:(j + 1) * r] @ b[:, c0:c1].float()).to(out.dtype)
                 if isinstance(rows, slice):
-                    out[rows, out_cols] += delta
+                    out[rows, c0:c1] += delta
                 else:
-                    out[:, out_cols].index_add_(0, rows, delta)
+                    out[:, c0:c1].index_add_(0, rows, delta)
+
+    # ---- per-row products (graph-safe) ---------------------------------------------------
+    def begin_rows(self, n: int) -> None:
+        """Zero the per-row scratch of a forward of n rows (one launch for every layer)."""
+        assert self.t is not None, "reserve() first"
+        self.t[:, :n].zero_()
+
+    def add_rows(self, layer: int, matrix: str, x: torch.Tensor, out: torch.Tensor,
+                 idx: torch.Tensor) -> None:
+        """out[i] += x[i] @ A^T[idx[i]] @ B^T[idx[i]] for every row i (slot 0: nothing);
+        x [n, in], out [n, out], idx [n] int32 on the device."""
+        r, bounds = self.rank, self.bounds[matrix]
+        a, b = self.a[matrix][layer], self.b[matrix][layer]
+        n, m_r = x.shape[0], a.shape[2]
+        assert self.t is not None, "reserve() first"
+        t = self.t[4 * layer + list(FUSED).index(matrix), :n, :m_r]
+        if self.kernel == "triton":
+            from llm_runner_svc.engines.torch_lora_triton import expand, shrink
+
+            shrink(x, a, idx, t)
+            ends = [*bounds[1:-1], bounds[-1], bounds[-1]]
+            expand(t, b, idx, out, (ends[0], ends[1]))
+            return
+        rows = idx.long()
+        t.copy_(torch.bmm(x.float().unsqueeze(1), a.index_select(0, rows).float()).squeeze(1))
+        bs = b.index_select(0, rows).float()  # [n, r, out]
+        for j in range(len(bounds) - 1):
+            c0, c1 = bounds[j], bounds[j + 1]
+            delta = torch.bmm(t[:, None, j * r:(j + 1) * r], bs[:, :, c0:c1]).squeeze(1)
+            out[:, c0:c1] += delta.to(out.dtype)

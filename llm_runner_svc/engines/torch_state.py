@@ -37,7 +37,8 @@ class RunState:
     cos: torch.Tensor  # [max_seq, head_dim / 2] float32
     sin: torch.Tensor  # [max_seq, head_dim / 2] float32
     arange: torch.Tensor  # [max_seq] int32 positions of a prefill window
-    inputs: torch.Tensor  # [batch * (2 + pages_per_seq)] int32: ids | positions | tables
+    inputs: torch.Tensor  # [batch * (3 + pages_per_seq)] int32: ids | positions | LoRA
+    #                       adapter slots | tables
     x_last: torch.Tensor  # [max_batch + 1, hidden] float32 residual rows of prefill chunks'
     #                       last tokens by batch row; the extra row takes chunks whose row
     #                       goes on in a later pass
@@ -49,7 +50,7 @@ class RunState:
 
     @property
     def pages_per_seq(self) -> int:
-        return self.inputs.numel() // self.logits.shape[0] - 2
+        return self.inputs.numel() // self.logits.shape[0] - 3
 
 
 def pass_tokens(plan: EnginePlan) -> int:
@@ -63,7 +64,13 @@ def decode_views(state: RunState, batch: int) -> tuple[torch.Tensor, ...]:
     pages = state.pages_per_seq
     inputs = state.inputs
     return (inputs[:batch], inputs[batch:2 * batch],
-            inputs[2 * batch:batch * (2 + pages)].view(batch, pages))
+            inputs[3 * batch:batch * (3 + pages)].view(batch, pages))
+
+
+def decode_adapters(state: RunState, batch: int) -> torch.Tensor:
+    """The LoRA adapter slot of each row [batch] int32 (0: the base model) of the packed
+    decode inputs."""
+    return state.inputs[2 * batch:3 * batch]
 
 
 def allocate_state(config: ModelConfig, plan: EnginePlan, max_batch: int, device: torch.device,
@@ -83,9 +90,9 @@ def allocate_state(config: ModelConfig, plan: EnginePlan, max_batch: int, device
         return torch.zeros(shape, device=device, dtype=torch.float32)
 
     scratch = plan.num_pages  # page id of the scratch page
-    inputs = torch.full((max_batch * (2 + pages_per_seq),), scratch, dtype=torch.int32,
+    inputs = torch.full((max_batch * (3 + pages_per_seq),), scratch, dtype=torch.int32,
                         device=device)
-    inputs[:2 * max_batch] = 0
+    inputs[:3 * max_batch] = 0
     return RunState(
         x=f32(rows, c.hidden_size), h=act(rows, c.hidden_size),
         qkv=act(rows, c.q_dim + 2 * c.kv_dim), attn=act(rows, c.q_dim),

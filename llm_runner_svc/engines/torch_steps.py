@@ -1,7 +1,8 @@
 """The torch engine's steps: `launch` / `read` over the buffers `TorchEngine.preallocate`
 claims (torch_engine.py).
 
-A batch of one-token rows runs as a decode step (its CUDA graph on CUDA). In a batch with
+A batch of one-token rows runs as a decode step (its CUDA graph on CUDA; rows on LoRA
+adapters replay the graph that adds each row's adapter, torch_lora.py). In a batch with
 longer rows its leading one-token rows (the scheduler puts the decodes first) still run as a
 decode step and the rest as prefill passes (a captured graph per token bucket for short
 passes, eager otherwise); each prefill row's last residual goes to its batch row of `x_last`
@@ -39,7 +40,7 @@ from llm_runner_svc.engines.torch_graphs import DecodeGraphs, InputStager, Prefi
 from llm_runner_svc.engines.torch_lora import TorchGroups
 from llm_runner_svc.engines.torch_picks import Picks, Started
 from llm_runner_svc.engines.torch_prefill import PrefillChunk, PrefillStager
-from llm_runner_svc.engines.torch_state import RunState, decode_views
+from llm_runner_svc.engines.torch_state import RunState, decode_adapters, decode_views
 from llm_runner_svc.errors import FailedPrecondition
 
 _PLACEHOLDER = SampleSpec(0.0, 0, 1.0)  # the pick of a row without a spec (not returned)
@@ -138,7 +139,8 @@ class TorchSteps(Engine):
         """Stage one-token rows for the decode step; returns its bucket."""
         b = len(rows)
         bucket = self.graphs.bucket_for(b) if self.graphs is not None else b
-        self.stager.stage([DecodeRow(_token(r, 0), r.start, r.pages) for r in rows], bucket)
+        self.stager.stage([DecodeRow(_token(r, 0), r.start, r.pages, adapter=r.adapter)
+                           for r in rows], bucket)
         if feeds:
             self.picks.feed(self.state.inputs[:b])
         return bucket
@@ -148,12 +150,18 @@ class TorchSteps(Engine):
         plan, s = self._need_plan(), self.state
         b = len(rows)
         capture = plan.hidden_layer is not None and any(r.capture_hidden for r in rows)
-        lora = self._lora_groups(rows, [1] * b)
-        if self.graphs is not None and not lora:
-            self.graphs.replay(bucket)
-        else:  # rows on LoRA adapters run eagerly: the graphs hold none
+        has_lora = any(r.adapter for r in rows)
+        per_row = has_lora and self.forward.lora is not None and self.forward.lora.is_per_row
+        if self.graphs is not None and (per_row or not has_lora):
+            self.graphs.replay(bucket, with_lora=per_row)
+        else:  # on the CPU, or adapters run grouped: eagerly
             ids, positions, tables = decode_views(s, b)
-            self.forward.decode(b, ids, positions, tables, capture, lora)
+            if per_row:
+                self.forward.decode(b, ids, positions, tables, capture,
+                                    lora_slots=decode_adapters(s, b))
+            else:
+                self.forward.decode(b, ids, positions, tables, capture,
+                                    self._lora_groups(rows, [1] * b))
         if not capture:
             return [None] * b
         emb, states = _host_copy(s.cap_emb[:b]), _host_copy(s.cap_state[:b])

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import build_hf_model
+from parity.conftest import build_hf_model
 
 from llm_runner_svc.engines import create_engine
 from llm_runner_svc.engines.base import EnginePlan

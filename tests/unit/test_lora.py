@@ -21,7 +21,9 @@ from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeC
 from llm_runner_svc.runtime.kv import PagePool
 from llm_runner_svc.runtime.prefix_cache import PrefixCache
 
-ENGINES = ["numpy", "torch"]
+# torch-gather: decode rows add their adapters per row (the graph-safe path of CUDA, with
+# torch products instead of the Triton kernels)
+ENGINES = ["numpy", "torch", "torch-gather"]
 TARGETS = [None, ("q_proj", "v_proj"), ("gate_proj", "up_proj", "down_proj")]
 PROMPTS = [[1, 403, 407, 261, 378], [1, 70, 90, 33], [1, 365, 301, 271, 15, 8, 99, 44, 3],
            [1, 5], [1, 403, 407, 261, 378], [1, 70, 90, 33, 12, 19], [1, 9, 9, 9], [1, 88]]
@@ -39,9 +41,17 @@ def adapters(stories, tmp_path_factory):
     return out
 
 
+def _engine(stories, engine: str, weights=None, adapters=(), **options):
+    if adapters:
+        options["adapters"] = adapters
+        if engine == "torch-gather":
+            options["lora_kernel"] = "gather"
+    return create_engine(engine.split("-")[0], stories.config, weights or stories.weights,
+                         **options)
+
+
 def _runtime(stories, engine: str, weights=None, adapters=(), **cfg) -> InferenceRuntime:
-    options = {"adapters": adapters} if adapters else {}
-    eng = create_engine(engine, stories.config, weights or stories.weights, **options)
+    eng = _engine(stories, engine, weights, adapters)
     rt = InferenceRuntime(eng, stories.tokenizer,
                           RuntimeConfig(max_seq=128, page_size=4, prefill_chunk=8, **cfg))
     rt.preallocate()
@@ -82,7 +92,7 @@ def test_logits_match_the_merged_model(stories, adapters, engine):
     plan = EnginePlan(max_batch=4, max_seq=64, page_size=4, num_pages=64, prefill_chunk=16)
     ids = tuple(PROMPTS[2])
     pages = tuple(range(8 * 0, 8))
-    eng = create_engine(engine, stories.config, stories.weights, adapters=adapters)
+    eng = _engine(stories, engine, adapters=adapters)
     eng.preallocate(plan)
     rows = [Row(ids, 0, tuple(range(8 * k, 8 * k + 8)), adapter=k) for k in range(4)]
     eng.read(eng.launch(Batch(tuple(rows), keep_logits=True)))
@@ -90,7 +100,7 @@ def test_logits_match_the_merged_model(stories, adapters, engine):
     eng.close()
     for k in range(4):
         weights = merge_adapter(stories.weights, adapters[k - 1]) if k else stories.weights
-        ref_eng = create_engine(engine, stories.config, weights)
+        ref_eng = _engine(stories, engine, weights)
         ref_eng.preallocate(plan)
         ref_eng.prefill(ids, 0, pages)
         ref = np.array(ref_eng.logits(1), dtype=np.float32)[0]

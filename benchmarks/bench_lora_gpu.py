@@ -1,0 +1,122 @@
+"""Decode-step cost of LoRA adapters mixed in one batch, on one GPU (the torch engine's CUDA
+graphs with the per-row Triton kernels).
+
+A 7B shape (Qwen2.5-7B, random bf16 weights drawn on the GPU) and N random adapters of rank
+R on all seven modules (q/k/v/o, gate/up/down), resident in the engine's stacked buffers.
+For each batch size, the captured decode step (CUDA events around graph replays, every row
+at `--position`) measured side by side, in rounds that alternate the cases:
+  - base: an engine without adapters (the base model's own graphs);
+  - lora/base rows: the engine with the adapters, every row on the base model;
+  - shared: every row on one adapter;
+  - mixed: every row on a different adapter (row i on adapter i % N + 1).
+Ratios are against the base engine's step. The bytes an adapter adds to a step are printed
+beside them: a mixed batch of b rows reads min(b, N) adapters on top of the weights.
+
+Usage: python benchmarks/bench_lora_gpu.py [--shape qwen2.5-7b] [--batches 1,32] [--rank 16]
+                                           [--adapters 8] [--position 128] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_paths  # noqa: E402
+from bench_lora import random_adapter  # noqa: E402
+
+from llm_runner_svc.engines.base import DecodeRow, EnginePlan  # noqa: E402
+from llm_runner_svc.engines.torch_engine import TorchEngine  # noqa: E402
+from llm_runner_svc.engines.torch_weights import named_shape, random_weights  # noqa: E402
+
+PAGE = 16
+
+
+def replay_ms(engine: TorchEngine, slots: list[int], position: int, reps: int) -> float:
+    """ms per replay of the decode graph for rows on adapter `slots` at `position`."""
+    graphs = engine.graphs
+    assert graphs is not None
+    plan = engine._need_plan()
+    b = len(slots)
+    bucket = graphs.bucket_for(b)
+    per_row = position // plan.page_size + 1
+    rows = [DecodeRow(0, position, [(i * per_row + p) % plan.num_pages for p in range(per_row)],
+                      adapter=slots[i]) for i in range(b)]
+    engine.stager.stage(rows, bucket)
+    with_lora = any(slots)
+    return gpu_paths.event_ms(lambda: graphs.replay(bucket, with_lora), reps=reps, warmup=3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen2.5-7b")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--position", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    cfg = named_shape(args.shape)
+    device = torch.device("cuda")
+    t0 = time.perf_counter()
+    weights = random_weights(cfg, device, torch.bfloat16)
+    adapters = [random_adapter(cfg, f"a{i}", args.rank, seed=i) for i in range(args.adapters)]
+    plan = EnginePlan(max_batch=max(batches), max_seq=args.position + 32, page_size=PAGE,
+                      num_pages=max(batches) * ((args.position + 32) // PAGE + 1),
+                      prefill_chunk=64, step_tokens=64)
+    base = TorchEngine(cfg, weights, device=device, prefill_graph_tokens=0)
+    base.preallocate(plan)
+    lora = TorchEngine(cfg, weights, device=device, prefill_graph_tokens=0, adapters=adapters,
+                       max_lora_rank=args.rank)
+    lora.preallocate(plan)
+    assert lora.lora is not None and lora.lora.kernel == "triton"
+    weight_bytes = base.weights.step_bytes()
+    adapter_bytes = lora.lora.nbytes // (args.adapters + 1)
+    gpu = torch.cuda.get_device_name()
+    print(f"# {gpu}, torch {torch.__version__}; {args.shape}, {args.adapters} adapters of rank "
+          f"{args.rank} on 7 modules ({adapter_bytes / 2**20:.1f} MiB each, "
+          f"{100 * adapter_bytes / weight_bytes:.2f}% of the weights); setup "
+          f"{time.perf_counter() - t0:.0f} s; graph replays at position {args.position}, "
+          f"median of {args.rounds} alternating rounds of {args.reps}", flush=True)
+    print("| batch | base ms | lora engine, base rows | one shared adapter | every row its own "
+          "adapter | adapter bytes read (mixed) |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    out = []
+    for b in batches:
+        cases = {"base": (base, [0] * b), "lora_base_rows": (lora, [0] * b),
+                 "shared": (lora, [1] * b),
+                 "mixed": (lora, [i % args.adapters + 1 for i in range(b)])}
+        times: dict[str, list[float]] = {k: [] for k in cases}
+        for _ in range(args.rounds):
+            for k, (eng, slots) in cases.items():
+                times[k].append(replay_ms(eng, slots, args.position, args.reps))
+        ms = {k: statistics.median(v) for k, v in times.items()}
+        extra = min(b, args.adapters) * adapter_bytes / weight_bytes
+        row = {"batch": b, **{f"{k}_ms": v for k, v in ms.items()},
+               **{f"{k}_ratio": v / ms["base"] for k, v in ms.items()}}
+        out.append(row)
+        print(f"| {b} | {ms['base']:.3f} | {ms['lora_base_rows']:.3f} "
+              f"({ms['lora_base_rows'] / ms['base']:.2f}x) | {ms['shared']:.3f} "
+              f"({ms['shared'] / ms['base']:.2f}x) | {ms['mixed']:.3f} "
+              f"({ms['mixed'] / ms['base']:.2f}x) | +{100 * extra:.1f}% |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
+            "shape": args.shape, "rank": args.rank, "adapters": args.adapters,
+            "position": args.position, "rows": out}, indent=1))
+    lora.close()
+    base.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""LoRA adapter slots of the engines: the torch engine's stacked buffers and their per-row
+products (the Triton kernels, run by Triton's interpreter on the CPU, and the gathered torch
+products) against the grouped products, and adapters put into and taken out of slots at
+run time giving exactly the merged model's tokens."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from lora_fixtures import write_adapter
+
+from llm_runner_svc.engines import create_engine
+from llm_runner_svc.engines.torch_lora import TorchLora
+from llm_runner_svc.errors import InvalidArgument
+from llm_runner_svc.models.lora import load_adapter, merge_adapter
+from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
+
+
+@pytest.fixture(scope="module")
+def two_adapters(stories, tmp_path_factory):
+    root = tmp_path_factory.mktemp("slots")
+    return [load_adapter("x", write_adapter(root / "x", stories.config, seed=3, rank=4),
+                         stories.config),
+            load_adapter("y", write_adapter(root / "y", stories.config, seed=4, rank=2,
+                                            targets=("k_proj", "up_proj", "down_proj")),
+                         stories.config)]
+
+
+@pytest.mark.parametrize("kernel", ["gather", "triton"])
+def test_per_row_products_match_the_grouped_ones(stories, two_adapters, kernel, request):
+    if kernel == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton's CPU interpreter is chosen when the kernels are first compiled: run this
+        # case again in a process that starts with it
+        pytest.importorskip("triton")
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              request.node.nodeid], env=env, capture_output=True, text=True,
+                             cwd=request.config.rootpath, timeout=300)
+        assert out.returncode == 0, out.stdout[-3000:]
+        assert "1 passed" in out.stdout
+        return
+    cfg = stories.config
+    lora = TorchLora(cfg, 3, 8, torch.device("cpu"), torch.float32, kernel)
+    grouped = TorchLora(cfg, 3, 8, torch.device("cpu"), torch.float32, "grouped")
+    for lo in (lora, grouped):
+        lo.set(1, two_adapters[0])
+        lo.set(3, two_adapters[1])
+    lora.reserve(8)
+    slots = [0, 1, 3, 1, 0, 3, 3]
+    idx = torch.tensor(slots, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    lora.begin_rows(len(slots))
+    for layer in range(cfg.num_layers):
+        for matrix in ("qkv", "o", "gate_up", "down"):
+            n_in = lora.a[matrix].shape[2]
+            n_out = lora.b[matrix].shape[3]
+            x = torch.randn(len(slots), n_in, generator=gen)
+            base = torch.randn(len(slots), n_out, generator=gen)
+            got, want = base.clone(), base.clone()
+            lora.add_rows(layer, matrix, x, got, idx)
+            grouped.add(layer, matrix, x, want, grouped.groups(slots, [1] * len(slots)))
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+            assert torch.equal(got[[0, 4]], base[[0, 4]])  # base rows: untouched
+            assert not torch.equal(got[1], base[1])
+
+
+def test_rank_above_the_slots_rank_is_refused(stories, two_adapters):
+    lora = TorchLora(stories.config, 1, 2, torch.device("cpu"), torch.float32)
+    with pytest.raises(InvalidArgument, match="rank 4.*up to 2"):
+        lora.set(1, two_adapters[0])
+
+
+def _tokens(stories, engine, prompt: list[int], adapter: int, n: int = 12) -> list[int]:
+    rt = InferenceRuntime(engine, stories.tokenizer,
+                          RuntimeConfig(max_batch=2, max_seq=64, page_size=4))
+    rt.preallocate()
+    req = GenerationRequest("r", prompt, resolve(rt.config.sampling, temperature=0.0,
+                                                 max_new_tokens=n), ignore_eos=True,
+                            adapter=adapter)
+    tokens = [t for ev in rt.generate(req) for t in ev.token_ids]
+    rt.engine.close()
+    return tokens
+
+
+@pytest.mark.parametrize("engine", ["numpy", "torch"])
+def test_adapters_set_and_cleared_at_run_time(stories, two_adapters, engine):
+    prompt = [1, 403, 407, 261, 378]
+    eng = create_engine(engine, stories.config, stories.weights, max_adapters=2)
+    assert eng.num_adapters == 2
+    base = _tokens(stories, create_engine(engine, stories.config, stories.weights), prompt, 0)
+    for adapter in two_adapters:
+        merged = create_engine(engine, stories.config, merge_adapter(stories.weights, adapter))
+        want = _tokens(stories, merged, prompt, 0)
+        assert want != base
+        eng.set_adapter(2, adapter)
+        assert _tokens(stories, eng, prompt, 2) == want
+        assert _tokens(stories, eng, prompt, 0) == base
+    eng.set_adapter(2, None)
+    assert _tokens(stories, eng, prompt, 2) == base  # an empty slot adds nothing
+    with pytest.raises(InvalidArgument, match="slot 3"):
+        eng.set_adapter(3, two_adapters[0])
