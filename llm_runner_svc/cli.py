@@ -9,7 +9,8 @@ import logging
 import secrets
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 # Only light modules here (see cli_common): the engines, models and runtime are imported by
 # the functions that use them.
@@ -72,6 +73,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="positions per request, prompt included (0 = the model's, at most 2048)")
     p.add_argument("--stop", action="append", default=[],
                    help="stop when this text appears (repeatable)")
+    p.add_argument("--adapter", default=None, metavar="DIR",
+                   help="run with this LoRA adapter (a PEFT directory: adapter_config.json + "
+                        "adapter_model.safetensors; numpy and torch engines)")
     p.add_argument("--spec", default=None, metavar="ngram|self:N|draft:PATH",
                    help="speculative decoding: ngram = prompt lookup, self:N = the model's "
                         "first N layers as the draft, draft:PATH = a small model with the "
@@ -116,9 +120,17 @@ def _generate(args: argparse.Namespace) -> int:
         ids = model.tokenizer.encode(text, add_bos=False)
     else:
         ids = model.tokenizer.encode(args.prompt, add_bos=model.tokenizer.default_add_bos())
-    options = {} if args.device is None else {"device": args.device}
+    options: dict[str, Any] = {} if args.device is None else {"device": args.device}
     if options and args.engine != "torch":
         raise InvalidArgument(f"--device needs --engine torch (got --engine {args.engine})")
+    if args.adapter is not None:
+        from llm_runner_svc.models.lora import load_adapter
+
+        if args.engine not in ("numpy", "torch"):
+            raise InvalidArgument(f"--adapter needs --engine numpy or torch (got "
+                                  f"{args.engine})")
+        options["adapters"] = [load_adapter(Path(args.adapter).name, Path(args.adapter),
+                                            model.config)]
     engine = create_engine(args.engine, model.config, model.weights, **options)
     spec = None if args.spec is None else parse_spec(args.spec, args.proposal_tokens)
     draft = None if spec is None else create_draft_engine(
@@ -133,7 +145,8 @@ def _generate(args: argparse.Namespace) -> int:
     seed = secrets.randbits(32) if args.seed is None else args.seed
     sampling = resolve(runtime.config.sampling, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, max_new_tokens=args.max_tokens, seed=seed)
-    request = GenerationRequest("cli", ids, sampling, stop=tuple(args.stop))
+    request = GenerationRequest("cli", ids, sampling, stop=tuple(args.stop),
+                                adapter=1 if args.adapter is not None else 0)
     is_echoed = args.chat  # the prompt is echoed once the runtime accepted it
     try:
         for ev in runtime.generate(request):

@@ -100,7 +100,7 @@ def describe_to_pb(d: StageDescription) -> pb.DescribeResponse:
         sampling_defaults=pb.SamplingDefaults(
             max_generate_length=d.sampling.max_generate_length,
             temperature=d.sampling.temperature, top_p=d.sampling.top_p, top_k=d.sampling.top_k),
-        lora_adapters=list(d.lora_adapters))
+        lora_adapters=list(d.lora_adapters), max_loras=d.max_loras)
 
 
 def prepared_to_pb(slot: Slot) -> pb.PrepareResponse:

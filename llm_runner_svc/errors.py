@@ -9,12 +9,14 @@ that is not one of these is a bug and surfaces as INTERNAL.
 from __future__ import annotations
 
 from services.errors import (
+    AlreadyExists,
     Cancelled,
     DeadlineExceeded,
     FailedPrecondition,
     Internal,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     ServiceError,
     Unavailable,
@@ -30,7 +32,7 @@ class ModelFormatError(InvalidArgument):
 
 
 __all__ = [
-    "Cancelled", "DeadlineExceeded", "FailedPrecondition", "Internal", "InvalidArgument",
-    "ModelFormatError", "NotFound", "ResourceExhausted", "RunnerError", "ServiceError",
-    "Unavailable", "Unimplemented", "error_for",
+    "AlreadyExists", "Cancelled", "DeadlineExceeded", "FailedPrecondition", "Internal",
+    "InvalidArgument", "ModelFormatError", "NotFound", "PermissionDenied", "ResourceExhausted",
+    "RunnerError", "ServiceError", "Unavailable", "Unimplemented", "error_for",
 ]

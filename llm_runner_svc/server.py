@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from llm_runner_svc.admin import admin_token_from_env
 from llm_runner_svc.servicer import SERVICE_NAME, StageServicer
 from llm_runner_svc.stage import LlmStage
 from llm_runner_svc.stage.llm_stage import RuntimeFactory, StageConfig
@@ -25,13 +26,14 @@ async def create_stage_server(config: StageConfig, options: ServerOptions,
                               runtime_factory: RuntimeFactory | None = None
                               ) -> tuple[ServerHandle, LlmStage]:
     """Load the model, preallocate, start the decode loop and the server. `runtime_factory`
-    builds the runtime (default: the plain one, or LLM_RUNNER_FAULTS's faulty one)."""
+    builds the runtime (default: the plain one, or LLM_RUNNER_FAULTS's faulty one). Admin
+    calls take the token in LLM_RUNNER_ADMIN_TOKEN (none set: they are refused)."""
     stage = LlmStage.create(config, slot_ttl_s, options.max_message_bytes, runtime_factory)
     await stage.start()
     try:
+        servicer = StageServicer(stage, admin_token_from_env())
         handle = await create_server(
-            options, [(stage_pb2_grpc.add_StageServicer_to_server, StageServicer(stage),
-                       SERVICE_NAME)])
+            options, [(stage_pb2_grpc.add_StageServicer_to_server, servicer, SERVICE_NAME)])
     except BaseException:
         await stage.close()
         raise

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from llm_runner_svc import codec
+from llm_runner_svc.admin import check_admin
 from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.stage import LlmStage
 from llm_runner_svc.stage.tracing import call_span
@@ -26,9 +27,12 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Stage"].full_name
 
 
 class StageServicer(StageServicerBase):
-    def __init__(self, stage: LlmStage) -> None:
+    def __init__(self, stage: LlmStage, admin_token: str | None = None) -> None:
+        """`admin_token`: what admin calls must carry (llm_runner_svc/admin.py); None: the
+        admin calls are refused."""
         super().__init__(stage)
         self.stage = stage
+        self._admin_token = admin_token
 
     def prepared_to_pb(self, slot: Slot) -> pb.PrepareResponse:
         return codec.prepared_to_pb(slot)
@@ -52,6 +56,17 @@ class StageServicer(StageServicerBase):
         req = codec.request_from_pb(request.slot_id, request.request)
         return codec.admission_to_pb(await self.stage.admit(
             request.slot_id, req, call_ctx(context), context_from(request.traceparent)))
+
+    async def LoadAdapter(self, request: pb.LoadAdapterRequest,
+                          context: grpc.aio.ServicerContext) -> pb.LoadAdapterResponse:
+        check_admin(self._admin_token, context.invocation_metadata(), "LoadAdapter")
+        names = await self.stage.load_adapter(request.name, request.path)
+        return pb.LoadAdapterResponse(lora_adapters=names)
+
+    async def UnloadAdapter(self, request: pb.UnloadAdapterRequest,
+                            context: grpc.aio.ServicerContext) -> pb.UnloadAdapterResponse:
+        check_admin(self._admin_token, context.invocation_metadata(), "UnloadAdapter")
+        return pb.UnloadAdapterResponse(lora_adapters=self.stage.unload_adapter(request.name))
 
     async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext
                         ) -> AsyncIterator[pb.SubscribeEvent]:

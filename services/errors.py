@@ -77,6 +77,12 @@ class Cancelled(ServiceError):
     code = "CANCELLED"
 
 
+class PermissionDenied(ServiceError):
+    """The caller may not make this call (an admin call without the admin token)."""
+
+    code = "PERMISSION_DENIED"
+
+
 class Internal(ServiceError):
     """A bug: an invariant broke. Never raised for bad input."""
 
@@ -85,7 +91,7 @@ class Internal(ServiceError):
 
 _BY_CODE: dict[str, type[ServiceError]] = {cls.code: cls for cls in (
     InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Unimplemented,
-    Unavailable, AlreadyExists, DeadlineExceeded, Cancelled, Internal)}
+    Unavailable, AlreadyExists, DeadlineExceeded, Cancelled, PermissionDenied, Internal)}
 
 
 def error_for(code: str, message: str) -> ServiceError:

@@ -78,6 +78,7 @@ class Engine(ABC):
     default_step_tokens = 512  # tokens per step unless the deployment says (maxTokensPerStep)
     supports_verify = False  # returns `StepOutput.verified` for rows with `verify`
     num_adapters = 0  # LoRA adapter slots a row may name (Row.adapter 1 .. num_adapters)
+    max_lora_rank: int | None = None  # the largest rank a slot holds (None: any)
 
     @abstractmethod
     def preallocate(self, plan: EnginePlan) -> None:
@@ -133,6 +134,20 @@ class Engine(ABC):
         row of a step still running may name the slot (the runtime's `set_adapter`)."""
         raise Unimplemented(f"the {self.name} engine serves no LoRA adapters")
 
+    def check_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """What `set_adapter` checks, without changing anything: InvalidArgument for a slot
+        outside 1 .. num_adapters or an adapter of a rank above `max_lora_rank`."""
+        if not self.num_adapters:
+            raise Unimplemented(f"the {self.name} engine holds no LoRA adapter slots")
+        if not 1 <= slot <= self.num_adapters:
+            raise InvalidArgument(f"adapter slot {slot}: the engine has slots 1.."
+                                  f"{self.num_adapters}")
+        rank = self.max_lora_rank
+        if adapter is not None and rank is not None and adapter.rank > rank:
+            raise InvalidArgument(f"LoRA adapter {adapter.name!r} has rank {adapter.rank}; "
+                                  f"this stage holds adapters of rank up to {rank} "
+                                  "(maxLoraRank)")
+
     def memory_bytes(self) -> int:
         """Bytes held by preallocated buffers (weights excluded); 0 before preallocate."""
         return 0
@@ -184,12 +199,6 @@ def adapter_slots(adapters: Sequence[Any], max_adapters: int | None) -> int:
         raise InvalidArgument(f"maxLoras {slots} is below the {len(adapters)} adapters "
                               "loaded at start")
     return slots
-
-
-def check_adapter_slot(engine: Engine, slot: int, adapter: Any) -> None:
-    if not 1 <= slot <= engine.num_adapters:
-        raise InvalidArgument(f"adapter slot {slot}: the engine has slots 1.."
-                              f"{engine.num_adapters}")
 
 
 def check_batch(config: ModelConfig, plan: EnginePlan, batch: Batch,

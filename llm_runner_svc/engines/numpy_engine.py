@@ -19,7 +19,6 @@ import numpy as np
 from llm_runner_svc.engines.base import (
     EnginePlan,
     adapter_slots,
-    check_adapter_slot,
     check_hidden_layer,
     check_token_ids,
     is_same_plan,
@@ -283,7 +282,7 @@ class NumpyEngine(BatchedEngine):
                 self._logits[s.row] = logits[-1]
 
     def set_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
-        check_adapter_slot(self, slot, adapter)
+        self.check_adapter(slot, adapter)
         assert self._lora is not None
         self._lora.set(slot, adapter)
 

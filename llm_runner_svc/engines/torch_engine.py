@@ -24,7 +24,6 @@ import torch
 from llm_runner_svc.engines.base import (
     EnginePlan,
     adapter_slots,
-    check_adapter_slot,
     check_hidden_layer,
     is_same_plan,
 )
@@ -147,6 +146,7 @@ class TorchEngine(TorchSteps):
             if lora_kernel == "auto":
                 lora_kernel = "triton" if self.kernels == "triton" else "grouped"
             rank = max_lora_rank or max([16, *(a.rank for a in adapters)])
+            self.max_lora_rank = rank
             self.lora = TorchLora(config, self.num_adapters, rank, self.device,
                                   self.dtype if self.device.type == "cuda" else torch.float32,
                                   lora_kernel)
@@ -228,7 +228,7 @@ class TorchEngine(TorchSteps):
         return self._bytes
 
     def set_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
-        check_adapter_slot(self, slot, adapter)
+        self.check_adapter(slot, adapter)
         assert self.lora is not None
         self.lora.set(slot, adapter)
 

@@ -84,6 +84,7 @@ class PrefixCache:
         self.stats = CacheStats()
         self._names: OrderedDict[bytes, _Record] = OrderedDict()  # least recently used first
         self._by_page: dict[int, bytes] = {}
+        self._adapter_loads: dict[int, int] = {}  # adapter slot -> adapters it has held
         pool.on_evict = self._evicted
 
     @property
@@ -96,11 +97,17 @@ class PrefixCache:
         """Named pages that keep their captured states."""
         return len(self._snapshots)
 
+    def retire_adapter(self, adapter: int) -> None:
+        """Adapter slot `adapter` now holds other weights: its pages are never matched again
+        (they go idle and are evicted like any other)."""
+        self._adapter_loads[adapter] = self._adapter_loads.get(adapter, 0) + 1
+
     def adapter_root(self, adapter: int) -> bytes:
-        """The chain's seed for requests on LoRA adapter `adapter` (0 = the base model)."""
+        """The chain's seed for requests on LoRA adapter slot `adapter` (0 = the base model),
+        as loaded now (`retire_adapter`)."""
         if adapter == 0:
             return self.root
-        return page_name(self.root + b"lora", (adapter,))
+        return page_name(self.root + b"lora", (adapter, self._adapter_loads.get(adapter, 0)))
 
     def match(self, tokens: Sequence[int], launches: int, hidden: bool = False,
               adapter: int = 0, media: Sequence[EmbedSpan] = ()) -> tuple[list[int], list[bytes]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from llm_runner_svc.engines.base import Engine, EnginePlan
 from llm_runner_svc.errors import (
@@ -42,6 +43,9 @@ from llm_runner_svc.runtime.request import (
 from llm_runner_svc.runtime.scheduler import Scheduler
 from llm_runner_svc.runtime.speculative import NgramProposer
 from llm_runner_svc.runtime.stops import StopMatcher
+
+if TYPE_CHECKING:  # host arrays (numpy), which the runtime never touches
+    from llm_runner_svc.models.lora import LoraAdapter
 
 
 class InferenceRuntime(SequenceAdvance):
@@ -85,6 +89,7 @@ class InferenceRuntime(SequenceAdvance):
         self._lock = threading.Lock()
         self._seqs: dict[str, SequenceState] = {}
         self._cancels: set[str] = set()
+        self._adapter_changes: list[tuple[int, LoraAdapter | None]] = []
         self._flight: Flight | None = None
         self._is_ready = False
 
@@ -221,6 +226,14 @@ class InferenceRuntime(SequenceAdvance):
             self._cancels.add(request_id)
             return True
 
+    def set_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Put a LoRA adapter into the engine's adapter slot `slot` (None: empty it) at the
+        top of the next step, on the stepping thread; the caller sees to it that no request
+        on the slot is in flight. Checked now (slot, rank): raises InvalidArgument."""
+        self.engine.check_adapter(slot, adapter)
+        with self._lock:
+            self._adapter_changes.append((slot, adapter))
+
     # ---- the loop --------------------------------------------------------------------
     @property
     def has_cancels(self) -> bool:
@@ -245,6 +258,7 @@ class InferenceRuntime(SequenceAdvance):
         take no part (no prefill chunk, no decode row; their pages stay), and what their
         rows already in flight produce waits until they step again."""
         events: dict[str, StepEvent] = {}
+        self._apply_adapter_changes()
         self._end_cancelled(events)
         self._deliver_stashed(held, events)
         flight, self._flight = self._flight, None
@@ -271,6 +285,14 @@ class InferenceRuntime(SequenceAdvance):
                     return
 
     # ---- internals -------------------------------------------------------------------
+    def _apply_adapter_changes(self) -> None:
+        with self._lock:
+            changes, self._adapter_changes = self._adapter_changes, []
+        for slot, adapter in changes:
+            self.engine.set_adapter(slot, adapter)
+            if self.prefix_cache is not None:
+                self.prefix_cache.retire_adapter(slot)
+
     def _end_cancelled(self, events: dict[str, StepEvent]) -> None:
         """Requests whose cancel is pending end now, as cancelled."""
         with self._lock:

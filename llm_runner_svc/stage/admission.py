@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from llm_runner_svc.errors import InvalidArgument
+from llm_runner_svc.errors import InvalidArgument, NotFound
 from llm_runner_svc.models import Model
 from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, resolve
 from llm_runner_svc.stage.config import StageConfig
@@ -47,16 +47,17 @@ class Admission:
 
 
 def check_request(config: StageConfig, model: Model, max_seq: int, req: StageRequest,
-                  num_live: int) -> None:
+                  num_live: int, adapters: Sequence[str] | None = None) -> None:
     """Refusals that need no tokenization, cheapest first. A prompt too large to tokenize
-    cheaply, or an over-long request id, is malformed (INVALID_ARGUMENT), not refused."""
+    cheaply, or an over-long request id, is malformed (INVALID_ARGUMENT), not refused.
+    `adapters`: the LoRA adapter names served now (default: config.lora_adapters)."""
     check_malformed(config.limits, max_seq, req)
     capacity = config.max_batch + config.max_waiting
     if num_live >= capacity:
         raise Refused(Refusal.NO_CAPACITY, f"the stage holds {num_live} requests, its limit "
                       f"(maxBatch {config.max_batch} + {config.max_waiting} waiting)")
     check_limits(config.limits, max_seq, req)
-    names = [name for name, _ in config.lora_adapters]
+    names = list(adapters) if adapters is not None else [n for n, _ in config.lora_adapters]
     if req.lora and req.lora not in names:
         known = f"it serves {names}" if names else "it loads no adapters"
         raise Refused(Refusal.UNKNOWN_ADAPTER,
@@ -189,11 +190,14 @@ class PreparedRun:
 
 
 def build_runtime_request(runtime: InferenceRuntime, slot: Slot,
-                          adapters: Sequence[str] = ()) -> PreparedRun:
+                          adapters: Sequence[str | None] = ()) -> PreparedRun:
     """The runtime's request for a slot; an unset seed is drawn here and reported later.
-    `adapters`: the stage's LoRA adapter names, in the engine's order (admission checked the
-    request's)."""
+    `adapters`: the LoRA adapter name in each engine adapter slot 1, 2, ... (None: empty).
+    NotFound for a request whose adapter was unloaded after it was admitted."""
     req = slot.request
+    if req.lora and req.lora not in adapters:
+        raise NotFound(f"LoRA adapter {req.lora!r} was unloaded after the request was "
+                       "admitted")
     adapter = adapters.index(req.lora) + 1 if req.lora else 0
     seed = secrets.randbits(64) if req.seed is None else req.seed
     sampling = resolve(runtime.config.sampling, temperature=req.temperature, top_k=req.top_k,

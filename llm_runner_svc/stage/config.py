@@ -36,7 +36,7 @@ _BUILTIN = ("stories260K", "smollm2")
 _STAGE_KEYS = {"id", "runner", "artifact", "engine", "emits", "inputs", "maxBatch", "maxSeq",
                "config", "ports", "maxQueued", "maxTokensInFlight", "device",
                "creditIdleTimeoutS", "maxTokensPerStep", "kvMemoryBytes",
-               "kvMemoryFraction", *LIMIT_KEYS}
+               "kvMemoryFraction", "maxLoras", "maxLoraRank", *LIMIT_KEYS}
 _PORT_KEYS = {"policy", "buffer", "shmRingBytes", "maxShmSubscriptions", "maxShmBytes"}
 _INPUTS = ("request:text", "request:messages", "request:token_ids")
 _EMITS = ("text", "tokens", "hidden")
@@ -75,6 +75,9 @@ class StageConfig:
     spec: SpecConfig | None = None  # config.spec_decode (method ngram); None = plain decode
     lora_adapters: tuple[tuple[str, str], ...] = ()  # config.lora_adapters: (name, directory);
     # a request's `lora` k-th name runs on the engine's adapter k + 1
+    max_loras: int = 0  # maxLoras: adapter slots (resident at once); 0 = len(lora_adapters)
+    max_lora_rank: int = 0  # maxLoraRank: largest rank a slot holds (0 = the engine's default)
+    adapter_root: str = ""  # where LoadAdapter's relative paths start (the artifact's folder)
 
     multimodal_artifact: str = ""  # config.multimodal_artifact: the vision tower's directory
     # ("" = the artifact's own, when it is a vision-language model)
@@ -94,11 +97,20 @@ class StageConfig:
             prefix_cache=self.prefix_cache, prefix_cache_records=self.prefix_cache_records,
             prefix_cache_snapshots=self.prefix_cache_snapshots, spec=self.spec)
 
-    def engine_options(self) -> dict[str, str]:
+    def engine_options(self) -> dict[str, Any]:
         """Keyword arguments for create_engine beyond the model (none for most engines)."""
-        opts = {"build_dir": self.engine_dir, "runtime_cache": self.runtime_cache,
-                "device": self.device}
+        opts: dict[str, Any] = {"build_dir": self.engine_dir,
+                                "runtime_cache": self.runtime_cache, "device": self.device}
+        if self.num_lora_slots:
+            opts["max_adapters"] = self.num_lora_slots
+        if self.max_lora_rank and self.engine == "torch":
+            opts["max_lora_rank"] = self.max_lora_rank
         return {k: v for k, v in opts.items() if v}
+
+    @property
+    def num_lora_slots(self) -> int:
+        """Adapters resident at once: maxLoras, else as many as config.lora_adapters."""
+        return self.max_loras or len(self.lora_adapters)
 
     def __post_init__(self) -> None:
         if self.max_batch <= 0:
@@ -131,9 +143,15 @@ class StageConfig:
                               "drop 'hidden' from emits or spec_decode")
         if self.engine not in engine_names():
             raise ConfigError(f"engine {self.engine!r} is unknown; valid: {engine_names()}")
-        if self.lora_adapters and self.engine not in ("numpy", "torch"):
-            raise ConfigError(f"config.lora_adapters: the {self.engine!r} engine serves no "
-                              "LoRA adapters (the 'numpy' and 'torch' engines do)")
+        if self.max_loras < 0 or self.max_lora_rank < 0:
+            raise ConfigError(f"maxLoras and maxLoraRank must be >= 0, got {self.max_loras} "
+                              f"and {self.max_lora_rank}")
+        if self.max_loras and self.max_loras < len(self.lora_adapters):
+            raise ConfigError(f"maxLoras {self.max_loras} is below the "
+                              f"{len(self.lora_adapters)} adapters of config.lora_adapters")
+        if self.num_lora_slots and self.engine not in ("numpy", "torch"):
+            raise ConfigError(f"config.lora_adapters / maxLoras: the {self.engine!r} engine "
+                              "serves no LoRA adapters (the 'numpy' and 'torch' engines do)")
         if self.device and self.engine != "torch":
             raise ConfigError(f"device: only the 'torch' engine takes one, this stage's engine "
                               f"is {self.engine!r}")
@@ -200,7 +218,9 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
     if unknown_port_keys:
         raise ConfigError(f"ports.hidden.{unknown_port_keys[0]}: unknown key (valid: "
                           f"{sorted(_PORT_KEYS)})")
-    adapters = _adapter_dirs(artifact, base, cfg.get("lora_adapters", {}))
+    adapter_root = _adapter_root(artifact, base)
+    adapters = tuple((name, str(adapter_root / path))
+                     for name, path in cfg.get("lora_adapters", {}).items())
     multimodal = cfg.get("multimodal_artifact", "")
     if multimodal and not Path(multimodal).is_absolute():
         root = base if artifact in _BUILTIN else Path(artifact)
@@ -232,6 +252,8 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
         multimodal_artifact=multimodal,
         encoder_cache_bytes=cache.get("encoder_cache_budget_bytes", 0),
         visual_pruning=PruningConfig.from_keys(pruning) if pruning is not None else None,
+        max_loras=_typed(raw, "maxLoras", int, 0),
+        max_lora_rank=_typed(raw, "maxLoraRank", int, 0), adapter_root=str(adapter_root),
         spec=_spec_config(cfg.get("spec_decode"), _draft_path(cfg, artifact, base)))
 
 
@@ -280,14 +302,11 @@ def _spec_config(raw: Mapping[str, Any] | None, draft: str) -> SpecConfig | None
         raise ConfigError(f"config.{exc.message}") from exc
 
 
-def _adapter_dirs(artifact: str, base: Path, table: Mapping[str, str]
-                  ) -> tuple[tuple[str, str], ...]:
-    """`lora_adapters` {name: path} with each path relative to the artifact (its folder
-    when it is a file; the config file's folder for a built-in model)."""
+def _adapter_root(artifact: str, base: Path) -> Path:
+    """Where `lora_adapters` paths (and LoadAdapter's) start: the artifact (its folder when
+    it is a file; the config file's folder for a built-in model)."""
     root = base if artifact in _BUILTIN else Path(artifact)
-    if root.is_file():
-        root = root.parent
-    return tuple((name, str(root / path)) for name, path in table.items())
+    return root.parent if root.is_file() else root
 
 
 def _parse_runner_keys(cfg: Mapping[str, Any]) -> tuple[int, SamplingDefaults, str]:

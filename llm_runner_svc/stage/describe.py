@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llm_runner_svc.models import Model
@@ -32,14 +33,17 @@ class StageDescription:
     model: Model
     sampling: SamplingDefaults
     lora_adapters: tuple[str, ...] = ()  # names a request may give in `lora`
+    max_loras: int = 0  # adapters resident at once
 
 
 def describe(config: StageConfig, model: Model, runtime: InferenceRuntime,
-             max_step_window: int) -> StageDescription:
+             max_step_window: int, adapters: Sequence[str] | None = None) -> StageDescription:
+    """`adapters`: the LoRA adapter names served now (default: config.lora_adapters)."""
     widths = {"text": 0, "tokens": 0, "hidden": model.config.hidden_size}
     dtypes = {"text": None, "tokens": "int32", "hidden": "float32"}
     ports = tuple(PortDecl(p, dtypes[p], widths[p]) for p in config.emits)
     return StageDescription(
         CONTRACT_VERSION, config.stage_id, RUNNER, ports, config.inputs, config.max_batch,
         runtime.max_seq, max_step_window, config.engine, model, config.sampling,
-        tuple(name for name, _ in config.lora_adapters))
+        tuple(adapters if adapters is not None else (n for n, _ in config.lora_adapters)),
+        config.num_lora_slots)

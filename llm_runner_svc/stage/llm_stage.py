@@ -7,6 +7,7 @@ tokenization runs on a worker thread (tokenize_worker.py)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -16,11 +17,12 @@ from opentelemetry.trace import Status, StatusCode
 
 from llm_runner_svc.engines import create_engine, create_vision
 from llm_runner_svc.engines.drafts import create_draft_engine
-from llm_runner_svc.errors import RunnerError, Unimplemented
+from llm_runner_svc.errors import FailedPrecondition, RunnerError, Unimplemented
 from llm_runner_svc.models import Model, load_model
 from llm_runner_svc.models.lora import load_adapter
 from llm_runner_svc.runtime import FinishReason, InferenceRuntime, StepEvent
 from llm_runner_svc.runtime.encoder_cache import EncoderCache
+from llm_runner_svc.stage.adapters import AdapterTable
 from llm_runner_svc.stage.admission import (
     Admission,
     Refusal,
@@ -57,6 +59,8 @@ from services.stage.core import MAX_WINDOW, StageCore
 from services.stage.slot import Slot
 from services.stage.step_loop import Pairs
 
+log = logging.getLogger(__name__)
+
 # The seed's RuntimeFactory: builds the runtime a stage steps, from its engine and model
 # (and the draft engine of a speculative stage, as keyword `draft`).
 RuntimeFactory = Callable[..., InferenceRuntime]
@@ -87,6 +91,8 @@ class LlmStage(StageCore):
                 if config.encoder_cache_bytes else None
             self.images = ImageEncoder(model, create_vision(runtime.engine, model.vision),
                                        config.limits, cache, config.visual_pruning)
+        self.adapters = AdapterTable(config.num_lora_slots,
+                                     [name for name, _ in config.lora_adapters])
         self.metrics = StageMetrics(self.snapshot)
         self._tasks: set[asyncio.Task[None]] = set()  # port ends and closes sent on the side
 
@@ -97,7 +103,7 @@ class LlmStage(StageCore):
         """Load the model and build the engine and the runtime (by `runtime_factory`; by
         default the plain runtime, or the faulty one when LLM_RUNNER_FAULTS asks for it)."""
         model = load_model(config.artifact, config.multimodal_artifact or None)
-        options: dict[str, Any] = dict(config.engine_options())
+        options: dict[str, Any] = config.engine_options()
         if config.lora_adapters:  # refused here, naming the file, when one does not fit
             options["adapters"] = [load_adapter(name, Path(path), model.config)
                                    for name, path in config.lora_adapters]
@@ -126,7 +132,41 @@ class LlmStage(StageCore):
 
     # ---- the contract ----------------------------------------------------------------
     def describe(self) -> StageDescription:
-        return describe(self.config, self.model, self.runtime, MAX_WINDOW)
+        return describe(self.config, self.model, self.runtime, MAX_WINDOW, self.adapters.names)
+
+    async def load_adapter(self, name: str, path: str) -> list[str]:
+        """Load the PEFT adapter at `path` (relative to the artifact) into a free slot as
+        `name`; servable once this returns. The files are read on a worker thread; the
+        weights enter the engine at the top of the next step. A bad file raises
+        (INVALID_ARGUMENT / NOT_FOUND) and changes nothing."""
+        slot = self.adapters.reserve(name)
+        try:
+            where = Path(path)
+            if not where.is_absolute():
+                where = Path(self.config.adapter_root or ".") / where
+            adapter = await asyncio.get_running_loop().run_in_executor(
+                None, load_adapter, name, where, self.model.config)
+            self.runtime.set_adapter(slot, adapter)
+        except BaseException:
+            self.adapters.release(slot)
+            raise
+        self.adapters.commit(slot)
+        log.info("LoRA adapter %s loaded from %s into slot %d", name, where, slot)
+        return self.adapters.names
+
+    def unload_adapter(self, name: str) -> list[str]:
+        """Stop serving `name` and empty its slot; FailedPrecondition while a request that
+        names it has not finished."""
+        slot = self.adapters.slot_of(name)
+        users = [s.slot_id for s in self.slots
+                 if s.request.lora == name and s.state.wire != "FINISHED"]
+        if users:
+            raise FailedPrecondition(f"LoRA adapter {name!r} is in use by {len(users)} "
+                                     f"unfinished request(s) (slots {users[:8]})")
+        self.adapters.remove(name)
+        self.runtime.set_adapter(slot, None)
+        log.info("LoRA adapter %s unloaded from slot %d", name, slot)
+        return self.adapters.names
 
     async def admit(self, slot_id: int, request: StageRequest, call_ctx: Any = None,
                     request_ctx: Any = None) -> Admission:
@@ -170,7 +210,8 @@ class LlmStage(StageCore):
                     + self.tokenizer.num_pending)
         self.tokenizer.claim(slot_id)
         try:
-            check_request(self.config, self.model, self.runtime.max_seq, request, num_live)
+            check_request(self.config, self.model, self.runtime.max_seq, request, num_live,
+                          self.adapters.names)
             if self.images is not None:
                 self.images.check_types(request)
             prompt_ids = await self.tokenizer.run(lambda: self._tokenize(request))
@@ -251,8 +292,7 @@ class LlmStage(StageCore):
 
     # ---- the kit's hooks ---------------------------------------------------------------
     def _prepare(self, slot: Slot) -> None:
-        slot.prepared = build_runtime_request(
-            self.runtime, slot, [name for name, _ in self.config.lora_adapters])
+        slot.prepared = build_runtime_request(self.runtime, slot, self.adapters.by_slot())
 
     def _submit(self, slot: Slot) -> None:
         self.runtime.submit(slot.prepared.request)

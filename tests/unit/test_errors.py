@@ -35,10 +35,10 @@ def test_a_status_name_gives_the_class_that_names_it(cls):
 
 
 def test_a_status_no_class_names_stays_unknown_and_keeps_its_name():
-    err = errors.error_for("PERMISSION_DENIED", "no")
+    err = errors.error_for("DATA_LOSS", "no")
     assert type(err) is errors.ServiceError and err.code == "UNKNOWN"
-    assert err.message == "PERMISSION_DENIED: no"
-    assert status_for(err) == (grpc.StatusCode.UNKNOWN, "PERMISSION_DENIED: no")
+    assert err.message == "DATA_LOSS: no"
+    assert status_for(err) == (grpc.StatusCode.UNKNOWN, "DATA_LOSS: no")
 
 
 def test_anything_else_is_internal():

@@ -204,3 +204,25 @@ def test_the_client_names_the_adapter():
 
     assert build_generate_request(prompt="Hi", adapter="fr").request.lora == "fr"
     assert build_generate_request(prompt="Hi").request.lora == ""
+
+
+@pytest.mark.parametrize("engine", ["numpy", "torch"])
+def test_llm_runner_generate_with_an_adapter(stories, tmp_path, capsys, engine):
+    """`llm-runner generate --adapter DIR` prints the merged model's greedy text."""
+    from llm_runner_svc.cli import main
+
+    path = write_adapter(tmp_path / "a", stories.config, seed=5)
+    prompt = "Once upon a time"
+    args = ["generate", prompt, "--temperature", "0", "--max-tokens", "12", "--quiet",
+            "--engine", engine]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--adapter", str(path)]) == 0
+    got = capsys.readouterr().out
+    merged = merge_adapter(stories.weights, load_adapter("a", path, stories.config))
+    rt = _runtime(stories, "numpy", merged, max_batch=1)
+    ids = stories.tokenizer.encode(prompt, add_bos=stories.tokenizer.default_add_bos())
+    want = "".join(ev.text for ev in rt.generate(GenerationRequest(
+        "m", ids, resolve(rt.config.sampling, temperature=0.0, max_new_tokens=12))))
+    rt.close()
+    assert got == prompt + want + "\n" != plain

@@ -104,3 +104,35 @@ def test_adapters_set_and_cleared_at_run_time(stories, two_adapters, engine):
     assert _tokens(stories, eng, prompt, 2) == base  # an empty slot adds nothing
     with pytest.raises(InvalidArgument, match="slot 3"):
         eng.set_adapter(3, two_adapters[0])
+
+
+def test_a_reused_slot_never_matches_the_old_adapters_prefix_pages(stories, two_adapters):
+    """Pages the prefix cache keeps for a slot's adapter are keyed by what the slot holds:
+    once the runtime puts another adapter there, the same prompt prefills afresh and gets
+    the new adapter's tokens."""
+    eng = create_engine("numpy", stories.config, stories.weights, max_adapters=1)
+    rt = InferenceRuntime(eng, stories.tokenizer, RuntimeConfig(
+        max_batch=2, max_seq=64, page_size=4, prefix_cache=True))
+    rt.preallocate()
+    prompt = [1, 403, 407, 261, 378, 70, 90, 33, 12, 19, 5, 44, 3]
+
+    def run() -> tuple[list[int], int]:
+        req = GenerationRequest("r", prompt, resolve(rt.config.sampling, temperature=0.0,
+                                                     max_new_tokens=8), ignore_eos=True,
+                                adapter=1)
+        events = list(rt.generate(req))
+        assert events[-1].metrics is not None
+        return [t for ev in events for t in ev.token_ids], events[-1].metrics.cached_tokens
+
+    want = {}
+    for adapter in two_adapters:
+        merged = create_engine("numpy", stories.config, merge_adapter(stories.weights,
+                                                                     adapter))
+        want[adapter.name] = _tokens(stories, merged, prompt, 0, n=8)
+    rt.set_adapter(1, two_adapters[0])
+    first, cached = run()
+    assert first == want["x"] and cached == 0
+    assert run() == (want["x"], 12)  # the same adapter: its pages are matched
+    rt.set_adapter(1, two_adapters[1])
+    assert run() == (want["y"], 0)
+    rt.close()

@@ -1,6 +1,7 @@
 """`llm-stage` command line: `generate` streams one generation from an orchestrator to stdout;
 `up` is an alias of the server package's `llm-runner up` (a whole local deployment), for an
-install that has it. Nothing here imports the servers."""
+install that has it; `adapters` lists, loads or unloads one stage's LoRA adapters. Nothing
+here imports the servers."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from llm_stage_client._contract.llmstage.v1 import orchestrator_pb2
+from llm_stage_client.admin import ADMIN_TOKEN_ENV, StageAdmin
 from llm_stage_client.cli_show import Display, report_json, stream
 from llm_stage_client.client import DEFAULT_TARGET, Client
 from llm_stage_client.types import GenerateOptions, StageClientError
@@ -152,7 +154,39 @@ def _up(args: argparse.Namespace) -> int:
     return 0  # not reached: execv returns only by raising
 
 
-_COMMANDS: list[tuple[AddFn, RunFn]] = [(_add_generate, _generate), (_add_up, _up)]
+def _add_adapters(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("adapters", help="list, load or unload a stage's LoRA adapters",
+                       description="Talks to one stage (not the orchestrator). load and "
+                                   "unload are admin calls: they send the stage's admin token "
+                                   f"(--admin-token, default ${ADMIN_TOKEN_ENV}).")
+    p.add_argument("action", choices=("list", "load", "unload"))
+    p.add_argument("name", nargs="?", default="", help="the adapter's name (load, unload)")
+    p.add_argument("path", nargs="?", default="",
+                   help="load: the PEFT adapter directory, relative to the stage's artifact")
+    p.add_argument("--stage", required=True, help="the stage's host:port")
+    p.add_argument("--admin-token", default=None,
+                   help=f"the stage's admin token (default: ${ADMIN_TOKEN_ENV})")
+
+
+def _adapters(args: argparse.Namespace) -> int:
+    if args.action != "list" and not args.name or args.action == "load" and not args.path:
+        print(f"llm-stage: adapters {args.action} needs "
+              f"{'NAME PATH' if args.action == 'load' else 'NAME'}", file=sys.stderr)
+        return EXIT_FAILED
+    token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
+    with StageAdmin(args.stage, token) as admin:
+        if args.action == "load":
+            names = admin.load_adapter(args.name, args.path)
+        elif args.action == "unload":
+            names = admin.unload_adapter(args.name)
+        else:
+            names = admin.adapters()
+    print("\n".join(names))
+    return 0
+
+
+_COMMANDS: list[tuple[AddFn, RunFn]] = [(_add_generate, _generate), (_add_up, _up),
+                                         (_add_adapters, _adapters)]
 
 
 def version_text() -> str:

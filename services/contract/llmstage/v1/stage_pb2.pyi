@@ -143,7 +143,7 @@ class SamplingDefaults(_message.Message):
     def __init__(self, max_generate_length: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("contract_version", "stage_id", "runner", "emits", "inputs", "max_batch", "max_seq", "max_step_window", "engine", "model", "sampling_defaults", "lora_adapters")
+    __slots__ = ("contract_version", "stage_id", "runner", "emits", "inputs", "max_batch", "max_seq", "max_step_window", "engine", "model", "sampling_defaults", "lora_adapters", "max_loras")
     CONTRACT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNER_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class DescribeResponse(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     contract_version: str
     stage_id: str
     runner: str
@@ -168,7 +169,34 @@ class DescribeResponse(_message.Message):
     model: ModelInfo
     sampling_defaults: SamplingDefaults
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, contract_version: _Optional[str] = ..., stage_id: _Optional[str] = ..., runner: _Optional[str] = ..., emits: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., inputs: _Optional[_Iterable[str]] = ..., max_batch: _Optional[int] = ..., max_seq: _Optional[int] = ..., max_step_window: _Optional[int] = ..., engine: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_loras: int
+    def __init__(self, contract_version: _Optional[str] = ..., stage_id: _Optional[str] = ..., runner: _Optional[str] = ..., emits: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., inputs: _Optional[_Iterable[str]] = ..., max_batch: _Optional[int] = ..., max_seq: _Optional[int] = ..., max_step_window: _Optional[int] = ..., engine: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., sampling_defaults: _Optional[_Union[SamplingDefaults, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("lora_adapters",)
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ("lora_adapters",)
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ChatPart(_message.Message):
     __slots__ = ("text", "image")

@@ -80,6 +80,16 @@ class StageStub:
                 request_serializer=llmstage_dot_v1_dot_stage__pb2.SubscribeRequest.SerializeToString,
                 response_deserializer=llmstage_dot_v1_dot_stage__pb2.SubscribeEvent.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/llmstage.v1.Stage/LoadAdapter',
+                request_serializer=llmstage_dot_v1_dot_stage__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=llmstage_dot_v1_dot_stage__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/llmstage.v1.Stage/UnloadAdapter',
+                request_serializer=llmstage_dot_v1_dot_stage__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=llmstage_dot_v1_dot_stage__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -164,6 +174,27 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Admin: loads a LoRA adapter (a PEFT directory) into a free adapter slot under a new name;
+        requests may name it once this returns. Admin calls carry `authorization: Bearer <token>`
+        metadata matching the token the stage was started with (LLM_RUNNER_ADMIN_TOKEN); without
+        it, or on a stage started without one, PERMISSION_DENIED. INVALID_ARGUMENT: a malformed
+        adapter or one that does not fit the model (the stage keeps serving); NOT_FOUND: no
+        such directory; ALREADY_EXISTS: the name is taken; RESOURCE_EXHAUSTED: maxLoras adapters
+        are resident already.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Admin: unloads a LoRA adapter, freeing its slot. FAILED_PRECONDITION while a request
+        that names it has not finished; NOT_FOUND for a name the stage does not serve.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -211,6 +242,16 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Subscribe,
                     request_deserializer=llmstage_dot_v1_dot_stage__pb2.SubscribeRequest.FromString,
                     response_serializer=llmstage_dot_v1_dot_stage__pb2.SubscribeEvent.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=llmstage_dot_v1_dot_stage__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=llmstage_dot_v1_dot_stage__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=llmstage_dot_v1_dot_stage__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=llmstage_dot_v1_dot_stage__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -457,6 +498,60 @@ class Stage:
             '/llmstage.v1.Stage/Subscribe',
             llmstage_dot_v1_dot_stage__pb2.SubscribeRequest.SerializeToString,
             llmstage_dot_v1_dot_stage__pb2.SubscribeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmstage.v1.Stage/LoadAdapter',
+            llmstage_dot_v1_dot_stage__pb2.LoadAdapterRequest.SerializeToString,
+            llmstage_dot_v1_dot_stage__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmstage.v1.Stage/UnloadAdapter',
+            llmstage_dot_v1_dot_stage__pb2.UnloadAdapterRequest.SerializeToString,
+            llmstage_dot_v1_dot_stage__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
