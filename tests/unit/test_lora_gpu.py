@@ -21,7 +21,7 @@ from lora_fixtures import write_adapter
 from llm_runner_svc.engines import create_engine
 from llm_runner_svc.engines.base import EnginePlan
 from llm_runner_svc.engines.batch import Batch, Row
-from llm_runner_svc.models.lora import load_adapter
+from llm_runner_svc.models.lora import load_adapter, merge_adapter
 from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -95,29 +95,46 @@ def test_adapter_set_after_capture(stories, adapters):
     rt.close()
 
 
-def _decode_logits(stories, adapters, kernel: str) -> np.ndarray:
-    eng = create_engine("torch", stories.config, stories.weights, device="cuda",
-                        adapters=adapters, lora_kernel=kernel)
-    eng.preallocate(EnginePlan(max_batch=8, max_seq=64, page_size=4, num_pages=128,
+def _decode_logits(stories, adapters, jobs, weights=None, **options) -> np.ndarray:
+    """Logits of one decode step (after each job's prompt prefilled) of `jobs` (prompt,
+    adapter) as one batch, on the GPU in bf16."""
+    n = len(jobs)
+    eng = create_engine("torch", stories.config, weights or stories.weights, device="cuda",
+                        adapters=adapters, **options)
+    eng.preallocate(EnginePlan(max_batch=n, max_seq=64, page_size=4, num_pages=16 * n,
                                prefill_chunk=64))
-    tables = [tuple(range(8 * r, 8 * r + 8)) for r in range(8)]
-    prefill = [Row(tuple(ids), 0, tables[r], adapter=k)
-               for r, (ids, k) in enumerate(zip(PROMPTS, ROUTES, strict=True))]
+    tables = [tuple(range(16 * r, 16 * r + 16)) for r in range(n)]
+    prefill = [Row(tuple(ids), 0, tables[r], adapter=k) for r, (ids, k) in enumerate(jobs)]
     eng.read(eng.launch(Batch(tuple(prefill), keep_logits=True)))
-    rows = [Row((7,), len(ids), tables[r], adapter=k)
-            for r, (ids, k) in enumerate(zip(PROMPTS, ROUTES, strict=True))]
+    rows = [Row((7,), len(ids), tables[r], adapter=k) for r, (ids, k) in enumerate(jobs)]
     eng.read(eng.launch(Batch(tuple(rows), keep_logits=True)))
-    out = np.array(eng.logits(8), dtype=np.float32)
+    out = np.array(eng.logits(n), dtype=np.float32)
     eng.close()
     return out
 
 
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float((np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)).max())
+
+
 def test_bf16_graph_kernels_against_grouped_products(stories, adapters):
-    got = _decode_logits(stories, adapters, "triton")
-    want = _decode_logits(stories, adapters, "grouped")
-    rel = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
-    print(f"bf16 per-row kernels vs grouped: worst rel {rel.max():.1e}")
-    assert rel.max() < 2e-2
+    jobs = list(zip(PROMPTS, ROUTES, strict=True))
+    got = _decode_logits(stories, adapters, jobs, lora_kernel="triton")
+    want = _decode_logits(stories, adapters, jobs, lora_kernel="grouped")
+    print(f"bf16 per-row kernels vs grouped, batch 8: worst rel {_rel(got, want):.1e}")
+    assert _rel(got, want) < 2e-2
+
+
+def test_bf16_batch_one_with_fused_products_against_the_merged_model(stories, adapters):
+    """At batch 1 the decode graph keeps the fused q/k/v, o and down products (their LoRA
+    terms added around them) and runs gate/up unfused: against the merged model's own
+    batch-1 graph, within bf16 rounding (the merged weights are rounded to bf16 once)."""
+    for k, adapter in enumerate(adapters, 1):
+        got = _decode_logits(stories, adapters, [(PROMPTS[2], k)])
+        merged = merge_adapter(stories.weights, adapter)
+        want = _decode_logits(stories, [], [(PROMPTS[2], 0)], weights=merged)
+        print(f"bf16 batch 1, adapter {k} vs merged: rel {_rel(got, want):.1e}")
+        assert _rel(got, want) < 3e-2
 
 
 def test_adapter_decode_steps_replay_graphs_and_do_not_allocate(stories, adapters):
