@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-SHRINK_BLOCK_K = 128  # `in` positions per shrink program
+SHRINK_TILE = 8192  # elements of A^T a shrink program reads: [in positions, R]
 EXPAND_BLOCK_N = 128  # output columns per expand program
 
 
@@ -65,9 +65,11 @@ def shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor, t: torch.Tensor)
     """t [n, R] float32 += x [n, in] @ a[idx] ([slots + 1, in, R]), per row."""
     n, n_in = x.shape
     big_r = a.shape[2]
-    lora_shrink_kernel[(n, triton.cdiv(n_in, SHRINK_BLOCK_K))](
+    block_r = _pow2(big_r)
+    block_k = max(64, min(512, SHRINK_TILE // block_r))  # fewer partial sums for small R
+    lora_shrink_kernel[(n, triton.cdiv(n_in, block_k))](
         x, x.stride(0), a, a.stride(0), idx, t, t.stride(0), n_in, R=big_r,
-        BLOCK_K=SHRINK_BLOCK_K, BLOCK_R=_pow2(big_r), num_warps=4)
+        BLOCK_K=block_k, BLOCK_R=block_r, num_warps=4)
 
 
 def expand(t: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, out: torch.Tensor,
