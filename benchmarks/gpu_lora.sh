@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # LoRA on one GPU in one call (< 4 minutes on an H200): install the carried wheels (.whl/),
-# run the LoRA GPU tests (tests/unit/test_lora_gpu.py) and the decode-graph tests of the
-# torch engine they share the packed inputs with, then benchmarks/bench_lora_gpu.py (7B
+# run the LoRA GPU tests (tests/unit/test_lora_gpu.py) and two decode-graph tests of the
+# torch engine (its packed decode inputs now carry adapter slots), then benchmarks/bench_lora_gpu.py (7B
 # shape, 8 adapters of rank 16 on all seven modules, batch 1 and 32). Logs and JSON go to
 # $OUT.  TESTS=0 skips the tests, BENCH=0 the benchmark; BENCH_ARGS: its arguments.
 set -uo pipefail
@@ -15,7 +15,7 @@ rc=0
 if [ "${TESTS:-1}" = 1 ]; then
     timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra -rP" \
         tests/unit/test_lora_gpu.py tests/unit/test_torch_gpu.py \
-        -k "lora or graphs or stories_goldens or fused_batches or do_not_allocate" 2>&1 \
+        -k "test_lora_gpu or stories_goldens or do_not_allocate" 2>&1 \
         | tee "$OUT/lora_gpu_tests.txt"
     rc=${PIPESTATUS[0]}
 fi
