@@ -103,7 +103,7 @@ class LlmStage(StageCore):
         """Load the model and build the engine and the runtime (by `runtime_factory`; by
         default the plain runtime, or the faulty one when LLM_RUNNER_FAULTS asks for it)."""
         model = load_model(config.artifact, config.multimodal_artifact or None)
-        options: dict[str, Any] = config.engine_options()
+        options: dict[str, Any] = {**config.engine_options(), **config.lora_options()}
         if config.lora_adapters:  # refused here, naming the file, when one does not fit
             options["adapters"] = [load_adapter(name, Path(path), model.config)
                                    for name, path in config.lora_adapters]
