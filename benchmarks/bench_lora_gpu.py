@@ -76,8 +76,10 @@ def main() -> None:
                       prefill_chunk=64, step_tokens=64)
     base = TorchEngine(cfg, weights, device=device, prefill_graph_tokens=0)
     base.preallocate(plan)
-    lora = TorchEngine(cfg, weights, device=device, prefill_graph_tokens=0, adapters=adapters,
-                       max_lora_rank=args.rank)
+    lora = TorchEngine(cfg, weights, device=device, prefill_graph_tokens=0)
+    lora.reserve_adapters(args.adapters, args.rank, kernel="triton")  # bf16 stacked buffers
+    for k, adapter in enumerate(adapters, 1):
+        lora.set_adapter(k, adapter)
     lora.preallocate(plan)
     assert lora.lora is not None and lora.lora.kernel == "triton"
     weight_bytes = base.weights.step_bytes()

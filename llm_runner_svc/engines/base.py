@@ -134,6 +134,13 @@ class Engine(ABC):
         row of a step still running may name the slot (the runtime's `set_adapter`)."""
         raise Unimplemented(f"the {self.name} engine serves no LoRA adapters")
 
+    def reserve_adapters(self, num_slots: int, max_rank: int | None = None) -> None:
+        """Hold `num_slots` LoRA adapter slots (maxLoras) of rank up to `max_rank` (None: the
+        engine's default), the adapters it was built with keeping slots 1, 2, ...; before
+        `preallocate`. An engine built with adapters holds as many slots as it has adapters
+        until this is called."""
+        raise Unimplemented(f"the {self.name} engine serves no LoRA adapters")
+
     def check_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
         """What `set_adapter` checks, without changing anything: InvalidArgument for a slot
         outside 1 .. num_adapters or an adapter of a rank above `max_lora_rank`."""
@@ -191,14 +198,12 @@ def check_token_ids(config: ModelConfig, token_ids: Sequence[int]) -> None:
         raise InvalidArgument(f"token id outside the vocabulary 0..{config.vocab_size - 1}")
 
 
-def adapter_slots(adapters: Sequence[Any], max_adapters: int | None) -> int:
-    """An engine's adapter slots: `max_adapters` (None: as many as `adapters`), which must
-    hold the adapters it starts with."""
-    slots = len(adapters) if max_adapters is None else max_adapters
-    if slots < len(adapters):
-        raise InvalidArgument(f"maxLoras {slots} is below the {len(adapters)} adapters "
-                              "loaded at start")
-    return slots
+def check_reserve(engine: Engine, num_slots: int, is_preallocated: bool) -> None:
+    if is_preallocated:
+        raise FailedPrecondition("reserve_adapters comes before preallocate")
+    if num_slots < engine.num_adapters:
+        raise InvalidArgument(f"maxLoras {num_slots} is below the {engine.num_adapters} "
+                              "adapters the engine holds")
 
 
 def check_batch(config: ModelConfig, plan: EnginePlan, batch: Batch,

@@ -18,8 +18,8 @@ import numpy as np
 
 from llm_runner_svc.engines.base import (
     EnginePlan,
-    adapter_slots,
     check_hidden_layer,
+    check_reserve,
     check_token_ids,
     is_same_plan,
 )
@@ -68,19 +68,18 @@ class NumpyEngine(BatchedEngine):
     default_step_tokens = 16
 
     def __init__(self, config: ModelConfig, weights: ModelWeights,
-                 kv_dtype: str = "float32", adapters: Sequence[LoraAdapter] = (),
-                 max_adapters: int | None = None) -> None:
+                 kv_dtype: str = "float32", adapters: Sequence[LoraAdapter] = ()) -> None:
         """`kv_dtype` "bfloat16" rounds keys and values to bf16 as they enter the (float32)
         pool: the storage precision of an engine with a bf16 KV cache, everything else in
         float32, as a reference for such an engine. A row with `adapter` k runs with
-        `adapters[k - 1]` (loaded for this model's shape). `max_adapters`: the adapter
-        slots (at least len(adapters)); `set_adapter` fills or empties one."""
+        `adapters[k - 1]` (loaded for this model's shape); `reserve_adapters` adds empty
+        slots, `set_adapter` fills or empties one."""
         weights.check(config)
         if kv_dtype not in ("float32", "bfloat16"):
             raise InvalidArgument(f"kv_dtype {kv_dtype!r}: 'float32' or 'bfloat16'")
         self._round_kv = kv_dtype == "bfloat16"
-        self.num_adapters = adapter_slots(adapters, max_adapters)
-        self._lora = LoraProducts(config, self.num_adapters) if self.num_adapters else None
+        self.num_adapters = len(adapters)
+        self._lora = LoraProducts(config, self.num_adapters) if adapters else None
         for k, adapter in enumerate(adapters, 1):
             self.set_adapter(k, adapter)
         self.config = config
@@ -280,6 +279,13 @@ class NumpyEngine(BatchedEngine):
                 logits = h @ self._lm_head_t  # [K + 1, vocab]
                 self._verified[s.row] = logits[:-1]
                 self._logits[s.row] = logits[-1]
+
+    def reserve_adapters(self, num_slots: int, max_rank: int | None = None) -> None:
+        check_reserve(self, num_slots, self._plan is not None)
+        if self._lora is None:
+            self._lora = LoraProducts(self.config, num_slots)
+        self._lora.grow(num_slots)
+        self.num_adapters = num_slots
 
     def set_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
         self.check_adapter(slot, adapter)

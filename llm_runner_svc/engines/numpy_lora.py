@@ -80,6 +80,11 @@ class LoraProducts:
             {name: fuse_matrices(cfg, adapter, i, mods) for name, mods in FUSED.items()}
             for i in range(cfg.num_layers)]
 
+    def grow(self, num_slots: int) -> None:
+        """Empty slots up to `num_slots`."""
+        self._mats.extend([None] * (num_slots - self.num_slots))
+        self.num_slots = max(self.num_slots, num_slots)
+
     def has(self, slot: int) -> bool:
         return self._mats[slot - 1] is not None
 

@@ -21,12 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from llm_runner_svc.engines.base import (
-    EnginePlan,
-    adapter_slots,
-    check_hidden_layer,
-    is_same_plan,
-)
+from llm_runner_svc.engines.base import EnginePlan, check_hidden_layer, is_same_plan
 from llm_runner_svc.engines.torch_forward import Forward, has_float32_products
 from llm_runner_svc.engines.torch_graphs import (
     DecodeGraphs,
@@ -91,8 +86,7 @@ class TorchEngine(TorchSteps):
                  fused_prefill_rows: int | None = None,
                  mixed_steps: str = "split",
                  prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS,
-                 adapters: Sequence[LoraAdapter] = (), max_adapters: int | None = None,
-                 max_lora_rank: int | None = None, lora_kernel: str = "auto") -> None:
+                 adapters: Sequence[LoraAdapter] = ()) -> None:
         """`dtype`: "float32" or "bfloat16" (default: bf16 on CUDA, float32 on the CPU).
         `kernels`: "triton" (the CUDA default: fused kernels, decode steps as CUDA graphs), or
         "torch" for the plain reference ops, run eagerly.
@@ -108,14 +102,8 @@ class TorchEngine(TorchSteps):
         forward over all rows); see `launch`.
         `prefill_graph_tokens`: with triton kernels on CUDA, prefill passes of up to this
         many tokens replay a CUDA graph captured per power-of-two bucket (0: always eager).
-        `adapters`: the LoRA adapters a row may name (row adapter k: `adapters[k - 1]`),
-        in `max_adapters` slots (None: as many as `adapters`; `set_adapter` fills or empties
-        one) of rank up to `max_lora_rank` (None: the largest of `adapters`, at least 16),
-        held in stacked buffers claimed here (torch_lora.py).
-        `lora_kernel`: how decode rows on adapters run: "triton" (the CUDA default: each
-        row's adapter read by Triton kernels inside the decode CUDA graphs), "gather" (the
-        same per-row path with torch products), or "grouped" (the CPU default: per adapter
-        present, eagerly). Prefill passes with adapter rows run grouped, eagerly."""
+        `adapters`: the LoRA adapters a row may name (row adapter k: `adapters[k - 1]`);
+        a forward with such rows runs eagerly and unfused (torch_lora.py)."""
         self.config = config
         self.device = resolve_device(device)
         default = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -140,18 +128,8 @@ class TorchEngine(TorchSteps):
         self.fused_prefill_rows = fused_prefill_rows
         self.weights = weights if isinstance(weights, TorchWeights) else load_weights(
             weights, config, self.device, self.dtype)
-        self.num_adapters = adapter_slots(adapters, max_adapters)
-        self.lora: TorchLora | None = None
-        if self.num_adapters:
-            if lora_kernel == "auto":
-                lora_kernel = "triton" if self.kernels == "triton" else "grouped"
-            rank = max_lora_rank or max([16, *(a.rank for a in adapters)])
-            self.max_lora_rank = rank
-            self.lora = TorchLora(config, self.num_adapters, rank, self.device,
-                                  self.dtype if self.device.type == "cuda" else torch.float32,
-                                  lora_kernel)
-            for k, adapter in enumerate(adapters, 1):
-                self.lora.set(k, adapter)
+        self.lora = TorchLora(config, adapters, self.device) if adapters else None
+        self.num_adapters = len(adapters)
         self._plan: EnginePlan | None = None
         self._bytes = 0
 
@@ -177,8 +155,7 @@ class TorchEngine(TorchSteps):
             pages=self.state.pages_per_seq, page_size=plan.page_size,
             scratch_page=plan.num_pages, device=self.device)
         self._bytes = self.state.nbytes + self.prefill_stager.nbytes + (
-            self.lora.nbytes + self.lora.reserve(plan.max_batch) if self.lora is not None
-            else 0)
+            self.lora.nbytes if self.lora is not None else 0)
         ops = TorchOps(c, plan.page_size)
         if self.kernels == "triton":
             from llm_runner_svc.engines.torch_triton import TritonOps
@@ -226,11 +203,6 @@ class TorchEngine(TorchSteps):
 
     def memory_bytes(self) -> int:
         return self._bytes
-
-    def set_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
-        self.check_adapter(slot, adapter)
-        assert self.lora is not None
-        self.lora.set(slot, adapter)
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.config.num_layers * self.config.kv_dim * self.dtype.itemsize

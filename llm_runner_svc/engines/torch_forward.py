@@ -56,6 +56,8 @@ class Forward:
                  fused_prefill_rows: int = 0, lora: TorchLora | None = None) -> None:
         self.config = config
         self.lora = lora  # the LoRA adapters rows may name
+        if lora is not None:  # the per-row products' scratch, for a decode batch
+            lora.reserve(state.logits.shape[0])
         self.weights = weights
         self.ops = ops
         self.s = state

@@ -32,14 +32,28 @@ TorchGroups = Sequence[tuple[int, slice | torch.Tensor]]  # (adapter slot, its r
 KERNELS = ("grouped", "gather", "triton")
 
 
-class TorchLora:
-    """`num_slots` adapter slots of rank up to `max_rank`, stored in `dtype` on `device`.
-    `kernel`: how `add_rows` runs ("gather" or "triton"); "grouped": it is not used."""
+DEFAULT_RANK = 16  # a slot's rank when neither the stage nor the starting adapters say more
 
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int,
-                 device: torch.device, dtype: torch.dtype, kernel: str = "grouped") -> None:
+
+class TorchLora:
+    """`num_slots` adapter slots (None: one per adapter of `adapters`, which fill slots 1,
+    2, ...) of rank up to `max_rank` (None: the largest of `adapters`, at least 16), stored
+    in `dtype` on `device`. `kernel`: how `add_rows` runs: "triton", "gather", or
+    "grouped" (not used: decode rows run `add` too); "auto": triton on CUDA, else grouped."""
+
+    def __init__(self, cfg: ModelConfig, adapters: Sequence[LoraAdapter | None],
+                 device: torch.device, num_slots: int | None = None,
+                 max_rank: int | None = None, dtype: torch.dtype = torch.float32,
+                 kernel: str = "auto") -> None:
+        num_slots = len(adapters) if num_slots is None else num_slots
+        if num_slots < len(adapters):
+            raise InvalidArgument(f"maxLoras {num_slots} is below the {len(adapters)} "
+                                  "adapters loaded at start")
+        max_rank = max_rank or max([DEFAULT_RANK, *(a.rank for a in adapters if a)])
+        if kernel == "auto":
+            kernel = "triton" if device.type == "cuda" else "grouped"
         if kernel not in KERNELS:
-            raise InvalidArgument(f"lora_kernel {kernel!r}: one of {list(KERNELS)}")
+            raise InvalidArgument(f"LoRA kernel {kernel!r}: one of {list(KERNELS)}")
         if max_rank <= 0:
             raise InvalidArgument(f"maxLoraRank must be positive, got {max_rank}")
         self.cfg, self.num_slots, self.rank = cfg, num_slots, max_rank
@@ -59,8 +73,11 @@ class TorchLora:
             self.bounds[name] = [int(c) for c in np.cumsum([0, *outs])]
         self.max_r_cols = 3 * r  # the widest matrix's M r (q/k/v)
         self.t: torch.Tensor | None = None  # [4 layers, rows, 3 r] float32 (`reserve`)
-        self.names: list[str | None] = [None] * (num_slots + 1)  # the adapter in each slot
+        self.adapters: list[LoraAdapter | None] = [None] * (num_slots + 1)  # in each slot
         self.nbytes = sum(t.nbytes for t in (*self.a.values(), *self.b.values()))
+        for k, adapter in enumerate(adapters, 1):
+            if adapter is not None:
+                self.set(k, adapter)
 
     # ---- slots -----------------------------------------------------------------------
     def set(self, slot: int, adapter: LoraAdapter | None) -> None:
@@ -88,7 +105,7 @@ class TorchLora:
                     b_host[:adapter.rank, c0:c1] = adapter.scale * b.T
                 self.a[name][li, slot].copy_(torch.from_numpy(a_host))
                 self.b[name][li, slot].copy_(torch.from_numpy(b_host))
-        self.names[slot] = None if adapter is None else adapter.name
+        self.adapters[slot] = adapter
 
     def reserve(self, rows: int) -> int:
         """Claim the per-row path's scratch for forwards of up to `rows` rows; its bytes."""

@@ -31,17 +31,20 @@ from llm_runner_svc.engines.base import (
     HiddenStates,
     SampleSpec,
     check_batch,
+    check_reserve,
 )
 from llm_runner_svc.engines.batch import Batch, Pass, Row, StepOutput, split_passes
 from llm_runner_svc.engines.batched import CapturedStates
 from llm_runner_svc.engines.numpy_sampling import verify_picks
 from llm_runner_svc.engines.torch_forward import Forward
 from llm_runner_svc.engines.torch_graphs import DecodeGraphs, InputStager, PrefillGraphs
-from llm_runner_svc.engines.torch_lora import TorchGroups
+from llm_runner_svc.engines.torch_lora import TorchGroups, TorchLora
 from llm_runner_svc.engines.torch_picks import Picks, Started
 from llm_runner_svc.engines.torch_prefill import PrefillChunk, PrefillStager
 from llm_runner_svc.engines.torch_state import RunState, decode_adapters, decode_views
 from llm_runner_svc.errors import FailedPrecondition
+from llm_runner_svc.models.lora import LoraAdapter
+from llm_runner_svc.models.spec import ModelConfig
 
 _PLACEHOLDER = SampleSpec(0.0, 0, 1.0)  # the pick of a row without a spec (not returned)
 
@@ -68,6 +71,10 @@ class TorchSteps(Engine):
     """Set up by `TorchEngine.preallocate`."""
 
     mixed_steps: str
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    lora: TorchLora | None
     state: RunState
     forward: Forward
     stager: InputStager
@@ -78,6 +85,31 @@ class TorchSteps(Engine):
     _plan: EnginePlan | None
     _last_sampled: tuple[bool, ...]
     supports_verify = True
+
+    # ---- LoRA adapter slots (torch_lora.py) --------------------------------------------
+    @property
+    def max_lora_rank(self) -> int | None:  # type: ignore[override]
+        return self.lora.rank if self.lora is not None else None
+
+    def reserve_adapters(self, num_slots: int, max_rank: int | None = None,
+                         kernel: str = "auto") -> None:
+        """Also `kernel`: how decode rows on adapters run: "triton" (the CUDA default: each
+        row's adapter read by Triton kernels inside the decode CUDA graphs), "gather" (the
+        same per-row path with torch products), or "grouped" (the CPU default: per adapter
+        present, eagerly). The slots are stacked buffers in the engine's dtype on CUDA,
+        float32 on the CPU; the adapters held so far move into them."""
+        check_reserve(self, num_slots, self._plan is not None)
+        held = self.lora.adapters[1:] if self.lora is not None else []
+        dtype = self.dtype if self.device.type == "cuda" else torch.float32
+        self.lora = None  # its buffers go before the new ones are claimed
+        self.lora = TorchLora(self.config, held, self.device, num_slots, max_rank, dtype,
+                              kernel)
+        self.num_adapters = num_slots
+
+    def set_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
+        self.check_adapter(slot, adapter)
+        assert self.lora is not None
+        self.lora.set(slot, adapter)
 
     def _need_plan(self) -> EnginePlan:
         if self._plan is None:

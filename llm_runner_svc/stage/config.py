@@ -103,12 +103,6 @@ class StageConfig:
                                 "runtime_cache": self.runtime_cache, "device": self.device}
         return {k: v for k, v in opts.items() if v}
 
-    def lora_options(self) -> dict[str, Any]:
-        """The serving engine's adapter slots (a draft engine takes none)."""
-        opts: dict[str, Any] = {"max_adapters": self.num_lora_slots}
-        if self.max_lora_rank and self.engine == "torch":
-            opts["max_lora_rank"] = self.max_lora_rank
-        return opts if self.num_lora_slots else {}
 
     @property
     def num_lora_slots(self) -> int:

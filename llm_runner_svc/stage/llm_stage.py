@@ -103,11 +103,13 @@ class LlmStage(StageCore):
         """Load the model and build the engine and the runtime (by `runtime_factory`; by
         default the plain runtime, or the faulty one when LLM_RUNNER_FAULTS asks for it)."""
         model = load_model(config.artifact, config.multimodal_artifact or None)
-        options: dict[str, Any] = {**config.engine_options(), **config.lora_options()}
+        options: dict[str, Any] = config.engine_options()
         if config.lora_adapters:  # refused here, naming the file, when one does not fit
             options["adapters"] = [load_adapter(name, Path(path), model.config)
                                    for name, path in config.lora_adapters]
         engine = create_engine(config.engine, model.config, model.weights, **options)
+        if config.num_lora_slots:  # maxLoras slots, claimed now (a draft engine takes none)
+            engine.reserve_adapters(config.num_lora_slots, config.max_lora_rank or None)
         spec = config.spec
         draft = None if spec is None else create_draft_engine(
             spec.method, config.engine, model, engine, spec.draft_layers,

@@ -44,10 +44,11 @@ def adapters(stories, tmp_path_factory):
 def _engine(stories, engine: str, weights=None, adapters=(), **options):
     if adapters:
         options["adapters"] = adapters
-        if engine == "torch-gather":
-            options["lora_kernel"] = "gather"
-    return create_engine(engine.split("-")[0], stories.config, weights or stories.weights,
-                         **options)
+    eng = create_engine(engine.split("-")[0], stories.config, weights or stories.weights,
+                        **options)
+    if adapters and engine == "torch-gather":
+        eng.reserve_adapters(len(adapters), kernel="gather")
+    return eng
 
 
 def _runtime(stories, engine: str, weights=None, adapters=(), **cfg) -> InferenceRuntime:

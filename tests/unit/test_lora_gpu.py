@@ -81,7 +81,8 @@ def test_mixed_batch_in_graphs_matches_numpy(stories, adapters):
 
 def test_adapter_set_after_capture(stories, adapters):
     eng = create_engine("torch", stories.config, stories.weights, device="cuda",
-                        dtype="float32", max_adapters=2)
+                        dtype="float32")
+    eng.reserve_adapters(2)
     rt = _runtime(stories, eng, 2)  # the graphs are captured here
     jobs = [(PROMPTS[0], 2), (PROMPTS[1], 0)]
     before = _tokens(rt, jobs)
@@ -95,12 +96,14 @@ def test_adapter_set_after_capture(stories, adapters):
     rt.close()
 
 
-def _decode_logits(stories, adapters, jobs, weights=None, **options) -> np.ndarray:
+def _decode_logits(stories, adapters, jobs, weights=None, kernel="auto") -> np.ndarray:
     """Logits of one decode step (after each job's prompt prefilled) of `jobs` (prompt,
-    adapter) as one batch, on the GPU in bf16."""
+    adapter) as one batch, on the GPU in bf16 (adapters in bf16 stacked buffers)."""
     n = len(jobs)
     eng = create_engine("torch", stories.config, weights or stories.weights, device="cuda",
-                        adapters=adapters, **options)
+                        adapters=adapters)
+    if adapters:
+        eng.reserve_adapters(len(adapters), kernel=kernel)
     eng.preallocate(EnginePlan(max_batch=n, max_seq=64, page_size=4, num_pages=16 * n,
                                prefill_chunk=64))
     tables = [tuple(range(16 * r, 16 * r + 16)) for r in range(n)]
@@ -119,8 +122,8 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
 
 def test_bf16_graph_kernels_against_grouped_products(stories, adapters):
     jobs = list(zip(PROMPTS, ROUTES, strict=True))
-    got = _decode_logits(stories, adapters, jobs, lora_kernel="triton")
-    want = _decode_logits(stories, adapters, jobs, lora_kernel="grouped")
+    got = _decode_logits(stories, adapters, jobs, kernel="triton")
+    want = _decode_logits(stories, adapters, jobs, kernel="grouped")
     print(f"bf16 per-row kernels vs grouped, batch 8: worst rel {_rel(got, want):.1e}")
     assert _rel(got, want) < 2e-2
 

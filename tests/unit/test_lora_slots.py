@@ -45,8 +45,9 @@ def test_per_row_products_match_the_grouped_ones(stories, two_adapters, kernel, 
         assert "1 passed" in out.stdout
         return
     cfg = stories.config
-    lora = TorchLora(cfg, 3, 8, torch.device("cpu"), torch.float32, kernel)
-    grouped = TorchLora(cfg, 3, 8, torch.device("cpu"), torch.float32, "grouped")
+    cpu = torch.device("cpu")
+    lora = TorchLora(cfg, [], cpu, num_slots=3, max_rank=8, kernel=kernel)
+    grouped = TorchLora(cfg, [], cpu, num_slots=3, max_rank=8, kernel="grouped")
     for lo in (lora, grouped):
         lo.set(1, two_adapters[0])
         lo.set(3, two_adapters[1])
@@ -70,7 +71,7 @@ def test_per_row_products_match_the_grouped_ones(stories, two_adapters, kernel, 
 
 
 def test_rank_above_the_slots_rank_is_refused(stories, two_adapters):
-    lora = TorchLora(stories.config, 1, 2, torch.device("cpu"), torch.float32)
+    lora = TorchLora(stories.config, [], torch.device("cpu"), num_slots=1, max_rank=2)
     with pytest.raises(InvalidArgument, match="rank 4.*up to 2"):
         lora.set(1, two_adapters[0])
 
@@ -90,7 +91,8 @@ def _tokens(stories, engine, prompt: list[int], adapter: int, n: int = 12) -> li
 @pytest.mark.parametrize("engine", ["numpy", "torch"])
 def test_adapters_set_and_cleared_at_run_time(stories, two_adapters, engine):
     prompt = [1, 403, 407, 261, 378]
-    eng = create_engine(engine, stories.config, stories.weights, max_adapters=2)
+    eng = create_engine(engine, stories.config, stories.weights)
+    eng.reserve_adapters(2)
     assert eng.num_adapters == 2
     base = _tokens(stories, create_engine(engine, stories.config, stories.weights), prompt, 0)
     for adapter in two_adapters:
@@ -110,7 +112,8 @@ def test_a_reused_slot_never_matches_the_old_adapters_prefix_pages(stories, two_
     """Pages the prefix cache keeps for a slot's adapter are keyed by what the slot holds:
     once the runtime puts another adapter there, the same prompt prefills afresh and gets
     the new adapter's tokens."""
-    eng = create_engine("numpy", stories.config, stories.weights, max_adapters=1)
+    eng = create_engine("numpy", stories.config, stories.weights)
+    eng.reserve_adapters(1)
     rt = InferenceRuntime(eng, stories.tokenizer, RuntimeConfig(
         max_batch=2, max_seq=64, page_size=4, prefix_cache=True))
     rt.preallocate()
