@@ -7,7 +7,7 @@ stage refuses at Admit and which reach the caller as 400 too. Keys OpenAI define
 nothing here (`store`, `metadata`, `parallel_tool_calls`, ...) are ignored; features this
 service cannot honour (tools, log probabilities, penalties, several choices) are refused rather
 than silently ignored. Extensions beyond OpenAI are top-level keys (what the `openai` client's
-`extra_body` sends): `top_k`, `ignore_eos`, `lora`.
+`extra_body` sends): `top_k`, `ignore_eos`, `lora`, `disable_spec_decode`.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class Call:
     logit_bias: tuple[tuple[int, float], ...] = ()
     user: str = ""
     ignore_eos: bool = False
+    disable_spec_decode: bool = False  # decode plainly on a speculative runner
     lora: str = ""
 
 
@@ -135,7 +136,8 @@ def _common(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
     return {"model": model, "is_stream": bool(is_stream), "include_usage": include_usage,
             "sampling": sampling, "stop": _stop(body.get("stop")),
             "logit_bias": _logit_bias(body.get("logit_bias")), "user": user or "",
-            "ignore_eos": bool(_opt_bool(body, "ignore_eos")), "lora": lora or ""}
+            "ignore_eos": bool(_opt_bool(body, "ignore_eos")), "lora": lora or "",
+            "disable_spec_decode": bool(_opt_bool(body, "disable_spec_decode"))}
 
 
 def _object(body: Any) -> dict[str, Any]:

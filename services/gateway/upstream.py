@@ -141,7 +141,8 @@ def _request(call: Call, request_id: str) -> opb.GenerateRequest:
                                     max_tokens=s.max_tokens, seed=s.seed)
     req = pb.GenerationRequest(request_id=request_id, sampling=sampling, stop=list(call.stop),
                                logit_bias=dict(call.logit_bias), lora=call.lora,
-                               ignore_eos=call.ignore_eos)
+                               ignore_eos=call.ignore_eos,
+                               disable_spec_decode=call.disable_spec_decode)
     if call.text is not None:
         req.text = call.text
     elif call.token_ids is not None:

@@ -22,13 +22,15 @@ def test_a_chat_body_with_every_supported_field() -> None:
         "max_tokens": 5, "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5,
         "seed": 3, "stop": "x", "logit_bias": {"17": -100, "4": 2.5}, "user": "u1",
         "stream": True, "stream_options": {"include_usage": True}, "top_k": 4,
-        "ignore_eos": True, "store": False, "metadata": {"a": "b"}, "n": 1, "logprobs": False})
+        "ignore_eos": True, "disable_spec_decode": True, "store": False,
+        "metadata": {"a": "b"}, "n": 1, "logprobs": False})
     assert call.kind == "chat" and call.model == "m"
     assert call.messages == (("system", "Be brief."), ("user", "Hi there"),
                              ("assistant", "Hello"))
     assert call.sampling == Sampling(temperature=0.0, top_p=0.5, top_k=4, max_tokens=7, seed=3)
     assert call.stop == ("x",) and call.logit_bias == ((17, -100.0), (4, 2.5))
     assert call.is_stream and call.include_usage and call.ignore_eos and call.user == "u1"
+    assert call.disable_spec_decode
 
 
 def test_image_url_parts_become_images_in_order() -> None:
