@@ -64,8 +64,9 @@ def test_float32_on_gpu_matches_transformers(tower: str, tmp_path: Path) -> None
     engine = TorchEngine(model.config, model.weights, device="cuda", dtype="float32")
     feats = TorchVision(model.vision.config, model.vision.weights, engine).encode(pixels)
     with torch.no_grad():
-        ref_feats = np.stack([f.numpy() for f in tm.get_image_features(
-            pixel_values=torch.from_numpy(pixels)).pooler_output])
+        out = tm.get_image_features(pixel_values=torch.from_numpy(pixels))
+        # transformers 5.2x returns an output with pooler_output; earlier ones the features
+        ref_feats = np.stack([f.numpy() for f in getattr(out, "pooler_output", out)])
         ref = tm(input_ids=torch.tensor([ids]),
                  pixel_values=torch.from_numpy(pixels)).logits[0, -1].numpy()
     scale = float(np.abs(ref_feats).max())
