@@ -27,12 +27,14 @@ Usage: python benchmarks/bench_spec_gpu.py [--target qwen2.5-7b] [--draft qwen2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +184,17 @@ def draft_costs(draft: TorchEngine, batch: int, prompt: int, k: int, reps: int,
             "per_token_ms": (catch_up + (k - 1) * one) / k}
 
 
+@contextlib.contextmanager
+def failure_noted(result: dict[str, Any], name: str) -> Iterator[None]:
+    """A part that fails leaves its error in `result` and the run goes on (a GPU run that
+    returns some figures beats one that returns none)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        result[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="qwen2.5-7b")
@@ -229,10 +242,16 @@ def main() -> None:
                              "verify_over_decode": verify / decode,
                              "best_speedup": (k + 1) * decode / verify}
         for name, eng in (("draft", draft), ("self", skip)):
-            costs = draft_costs(eng, b, args.prompt, k, args.reps, ps, pages)
-            r.update({f"{name}_{key}": v for key, v in costs.items()})
-            r[f"{name}_speedup_at_1"] = (k + 1) * decode / (verify + costs["round_ms"])
-        r.update(replay(target, config, rt_config, b, args.prompt, args.steps, k))
+            with failure_noted(r, name):
+                costs = draft_costs(eng, b, args.prompt, k, args.reps, ps, pages)
+                r.update({f"{name}_{key}": v for key, v in costs.items()})
+                r[f"{name}_speedup_at_1"] = (k + 1) * decode / (verify + costs["round_ms"])
+        with failure_noted(r, "replay"):
+            r.update(replay(target, config, rt_config, b, args.prompt, args.steps, k))
+        if b == batches[0]:  # the verify step's cost by proposal length
+            r["verify_ms_by_k"] = {kk: step_ms(target, rows_at(b, args.prompt, kk + 1, kk, ps,
+                                                               pages), args.reps)
+                                   for kk in (1, 2, 4, 8)}
         results.append(r)
         print(json.dumps({key: round(v, 4) if isinstance(v, float) else v
                           for key, v in r.items()}), flush=True)
@@ -243,6 +262,8 @@ def main() -> None:
           "(c) self step / catch-up / per token | (c) at acc. 1 |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        if any(f"{name}_error" in r for name in ("draft", "self", "replay")):
+            continue  # its JSON line above has the figures and the error
         print(f"| {r['batch']} | {r['decode_ms']:.2f} | {r['verify_ms']:.2f} | "
               f"{r['verify_over_decode']:.2f}x | {r['replay_tok_s']:.0f} vs "
               f"{r['plain_tok_s']:.0f} = {r['replay_speedup']:.2f}x | "
@@ -251,6 +272,11 @@ def main() -> None:
               f"{r['draft_speedup_at_1']:.2f}x | {r['self_step_ms']:.2f} / "
               f"{r['self_catch_up_ms']:.2f} / {r['self_per_token_ms']:.2f} | "
               f"{r['self_speedup_at_1']:.2f}x |")
+    by_k = results[0].get("verify_ms_by_k", {})
+    print(f"verify step at batch {results[0]['batch']} by K (decode "
+          f"{results[0]['decode_ms']:.2f} ms): " + ", ".join(
+              f"K={kk} {ms:.2f} ms ({ms / results[0]['decode_ms']:.2f}x)"
+              for kk, ms in by_k.items()))
     print("(a) replays the plain run's continuation, or its own when a bf16 near-tie made the "
           "verify step pick otherwise (replay_rounds, same_tokens_as_plain in the JSON)")
     if args.json:
