@@ -309,3 +309,24 @@ def test_prompt_states_under_concurrency_are_those_of_a_solo_run(stories, prompt
     finally:
         rt.clear_prefix_cache()
         rt.close()
+
+
+def test_pages_holding_image_positions_are_named_by_the_image() -> None:
+    """The same placeholder tokens with another image's embeddings are another prefix: a
+    page holding any of its positions is not reused; pages before the image still are."""
+    from llm_runner_svc.engines.batch import EmbedSpan
+
+    pool = PagePool(8, 2)
+    cache = PrefixCache(pool, "k")
+    tokens = [1, 2, 9, 9, 9, 9, 3, 4]  # the image at positions 2..5
+    cat, dog = (EmbedSpan(2, [[0.0]] * 4, b"cat"), EmbedSpan(2, [[0.0]] * 4, b"dog"))
+    pages = pool.allocate(4)
+    names: list[bytes] = []
+    cache.commit(tokens, pages, names, 8, 0, media=(cat,))
+    assert len(names) == 4
+    same, _ = cache.match(tokens + [5], 1, media=(cat,))
+    assert same == pages  # every page, the image's included
+    other, _ = cache.match(tokens + [5], 1, media=(dog,))
+    assert other == pages[:1]  # only the page before the image
+    shifted, _ = cache.match(tokens + [5], 1, media=(EmbedSpan(3, [[0.0]] * 3, b"cat"),))
+    assert shifted == pages[:1]  # the same image over other positions
