@@ -179,3 +179,52 @@ def test_multimodal_artifact_brings_the_tower_to_a_text_model(tmp_path: Path,
     wide_dir, _ = hf_model_dir("llama", name="wide", hidden_size=96)
     with pytest.raises(ModelFormatError, match="projector"):
         load_model(wide_dir, multimodal=tmp_path / "llava")
+
+
+def test_image_requests_batched_and_preempted_keep_their_tokens(tmp_path: Path) -> None:
+    """Three requests with images in one runtime whose KV pool holds about two of them: they
+    prefill in chunks beside each other's decodes, one is preempted and recomputes its
+    prompt (images included), and each gets the tokens it gets alone."""
+    build_llava(tmp_path / "llava", "clip", "llama", seed=6)
+    model = load_model(tmp_path / "llava")
+    vc = model.vision.config
+    tower = NumpyVision(vc, model.vision.weights)
+    reqs = []
+    for i in range(3):
+        ids = _prompt(model, 1 + i % 2)
+        n = ids.count(IMAGE_TOKEN_ID) // vc.tokens_per_image
+        feats = tower.encode(_pixels(n, seed=20 + i))
+        starts = image_starts(ids, IMAGE_TOKEN_ID, [vc.tokens_per_image] * n)
+        reqs.append((ids, tuple(EmbedSpan(s, f, bytes([i, j])) for j, (s, f) in
+                                enumerate(zip(starts, feats, strict=True)))))
+
+    def runtime(**kw: Any) -> InferenceRuntime:
+        rt = InferenceRuntime(NumpyEngine(model.config, model.weights), model.tokenizer,
+                              RuntimeConfig(max_batch=3, max_seq=128, page_size=8,
+                                            max_tokens_per_step=16, **kw))
+        rt.preallocate()
+        return rt
+
+    def request(i: int, rt: InferenceRuntime) -> GenerationRequest:
+        ids, spans = reqs[i]
+        return GenerationRequest(f"r{i}", ids, resolve(rt.config.sampling, temperature=0.0,
+                                                       max_new_tokens=16),
+                                 ignore_eos=True, embeds=spans)
+
+    alone = {}
+    rt = runtime()
+    for i in range(3):
+        alone[f"r{i}"] = [t for ev in rt.generate(request(i, rt)) for t in ev.token_ids]
+    rt.close()
+    rt = runtime(kv_memory_bytes=2 * 80 * model.config.num_layers * 2 * model.config.kv_dim * 4)
+    for i in range(3):
+        rt.submit(request(i, rt))
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+    done = 0
+    while done < 3:
+        for ev in rt.step():
+            got[ev.request_id] += ev.token_ids
+            done += ev.finish_reason is not None
+    assert rt.scheduler.preemptions > 0
+    rt.close()
+    assert got == alone
