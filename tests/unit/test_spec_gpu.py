@@ -57,11 +57,16 @@ def _run(stories, spec, dtype, plain=()):
         rt.close()
 
 
+@pytest.fixture(scope="module")
+def plain_f32(stories):
+    return _run(stories, None, "float32")[0]
+
+
 @pytest.mark.parametrize("spec", [SpecConfig("ngram", 4), SpecConfig("self", 3, draft_layers=2),
                                   SpecConfig("draft", 5, draft_checkpoint="stories260K")],
                          ids=["ngram", "self", "draft"])
-def test_speculative_greedy_is_plain_greedy_on_gpu(stories, spec):
-    plain, _ = _run(stories, None, "float32")
+def test_speculative_greedy_is_plain_greedy_on_gpu(stories, plain_f32, spec):
+    plain = plain_f32
     got, metrics = _run(stories, spec, "float32", plain=(1,))
     assert got == plain
     assert metrics["r0"].accepted_tokens > 0 and metrics["r1"].proposed_tokens == 0
