@@ -78,6 +78,7 @@ class Engine(ABC):
     default_step_tokens = 512  # tokens per step unless the deployment says (maxTokensPerStep)
     supports_verify = False  # returns `StepOutput.verified` for rows with `verify`
     num_adapters = 0  # LoRA adapter slots a row may name (Row.adapter 1 .. num_adapters)
+    supports_embeds = False  # takes rows with EmbedSpans (image embeddings)
     max_lora_rank: int | None = None  # the largest rank a slot holds (None: any)
 
     @abstractmethod
@@ -207,10 +208,14 @@ def check_reserve(engine: Engine, num_slots: int, is_preallocated: bool) -> None
 
 
 def check_batch(config: ModelConfig, plan: EnginePlan, batch: Batch,
-                num_adapters: int = 0) -> None:
+                num_adapters: int = 0, supports_embeds: bool = True) -> None:
     """The checks every engine makes on a batch before it runs anything; a row's adapter
-    must be one of the engine's `num_adapters` (or 0)."""
+    must be one of the engine's `num_adapters` (or 0), and a row with embeddings needs an
+    engine that takes them."""
     rows = batch.rows
+    if not supports_embeds and any(r.embeds for r in rows):
+        raise InvalidArgument("a row carries input embeddings (an image's); this engine "
+                              "takes token ids only")
     if not 0 < len(rows) <= plan.max_batch:
         raise InvalidArgument(f"batch of {len(rows)} rows; maxBatch is {plan.max_batch}")
     for row in rows:

@@ -85,7 +85,7 @@ class BatchedEngine(Engine):
 
     def _launch(self, batch: Batch) -> StepOutput:
         plan = self._checked_plan()
-        check_batch(self.config, plan, batch, self.num_adapters)
+        check_batch(self.config, plan, batch, self.num_adapters, self.supports_embeds)
         tokens = resolve_tokens(batch, self._last_picks)
         rows = batch.rows
         self._row_adapters = [r.adapter for r in rows]

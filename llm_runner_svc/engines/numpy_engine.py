@@ -61,6 +61,7 @@ class _Layer:
 
 class NumpyEngine(BatchedEngine):
     name = "numpy"
+    supports_embeds = True
     # A CPU step is bound by its products: each prompt token beside 4 decode rows costs
     # about a tenth of a SmolLM2 decode step, so 16 tokens a step keep a long prompt that
     # joins running decodes within 3x a decode step; a long prompt alone reaches its first

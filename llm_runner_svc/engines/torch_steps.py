@@ -70,6 +70,8 @@ def _token(row: Row, i: int) -> int:
 class TorchSteps(Engine):
     """Set up by `TorchEngine.preallocate`."""
 
+    supports_embeds = True  # prefill rows with image embeddings run eagerly (`_prefill`)
+
     mixed_steps: str
     config: ModelConfig
     device: torch.device
@@ -125,7 +127,7 @@ class TorchSteps(Engine):
         read once per step, the decode rows on the prefill's products). Nothing here waits
         on the device unless a row captures hidden states."""
         plan = self._need_plan()
-        check_batch(self.config, plan, batch, self.num_adapters)
+        check_batch(self.config, plan, batch, self.num_adapters, self.supports_embeds)
         rows = batch.rows
         n = len(rows)
         feeds = any(r.from_pick is not None for r in rows)

@@ -86,6 +86,10 @@ class LlmStage(StageCore):
         if config.visual_pruning is not None and model.vision is None:
             raise Unimplemented(f"config.visual_pruning: cannot be honoured: model "
                                 f"{model.name} has no vision tower")
+        if model.vision is not None and not runtime.engine.supports_embeds:
+            raise Unimplemented(f"model {model.name} takes images; the {runtime.engine.name!r} "
+                                "engine takes token ids only (the numpy and torch engines "
+                                "take images)")
         if model.vision is not None:
             cache = EncoderCache(config.encoder_cache_bytes) \
                 if config.encoder_cache_bytes else None

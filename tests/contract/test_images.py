@@ -22,6 +22,7 @@ from PIL import Image
 from stage_harness import StageServer, make_request
 from vlm_fixtures import IMAGE_TOKEN_ID, build_idefics3, build_llava
 
+from llm_runner_svc.models import load_model
 from llm_runner_svc.stage import MediaItem, StageConfig, StageRequest
 from llm_runner_svc.stage.visual_pruning import PruningConfig
 from services.contract.llmstage.v1 import stage_pb2 as pb
@@ -231,3 +232,23 @@ def test_idefics3_wraps_each_image_as_its_processor_does(tmp_path: Path) -> None
             logits = tm(input_ids=torch.tensor([ids + out]), pixel_values=pixels).logits
         out.append(int(logits[0, -1].argmax()))
     assert tokens == out
+
+
+def test_an_engine_without_embeddings_refuses_the_model(llava: tuple[Path, Any]) -> None:
+    """A vision-language model on an engine that takes token ids only (the graph engines)
+    stops at load, and such an engine refuses a row with embeddings."""
+    pytest.importorskip("onnxruntime")
+    from llm_runner_svc.engines.base import EnginePlan, check_batch
+    from llm_runner_svc.engines.batch import Batch, EmbedSpan, Row
+    from llm_runner_svc.errors import InvalidArgument, Unimplemented
+    from llm_runner_svc.stage import LlmStage
+
+    cfg = StageConfig(artifact=str(llava[0]), engine="onnx", max_batch=1, max_seq=64)
+    with pytest.raises(Unimplemented, match="'onnx' engine takes token ids only"):
+        LlmStage.create(cfg)
+    model = load_model(llava[0])
+    plan = EnginePlan(max_batch=1, max_seq=64, page_size=16, num_pages=4)
+    row = Row((0, 2, 2), 0, [0], embeds=(EmbedSpan(1, np.zeros((2, 64), np.float32)),))
+    with pytest.raises(InvalidArgument, match="takes token ids only"):
+        check_batch(model.config, plan, Batch((row,)), supports_embeds=False)
+    check_batch(model.config, plan, Batch((row,)))
