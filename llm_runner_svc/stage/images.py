@@ -65,7 +65,7 @@ class AdmittedPrompt(tuple[int, ...]):
         return obj
 
 
-class Refusal(Exception):
+class MediaRefused(Exception):
     """The request's images cannot be served; admission turns it into a refusal."""
 
 
@@ -94,16 +94,16 @@ class ImageEncoder:
         """The cheap check, before any bytes are read: every item's MIME type."""
         for i, m in enumerate(req.media):
             if m.mime_type not in MIME_FORMATS:
-                raise Refusal(f"media[{i}]: MIME type {m.mime_type!r} is not one this stage "
+                raise MediaRefused(f"media[{i}]: MIME type {m.mime_type!r} is not one this stage "
                               f"decodes ({', '.join(MIME_FORMATS)})")
 
     def admit(self, req: StageRequest, prompt_ids: Sequence[int]) -> AdmittedPrompt:
-        """The prompt with its images placed; Refusal when they cannot be."""
+        """The prompt with its images placed; MediaRefused when they cannot be."""
         vc = self.vision.config
         placed = [i for i, t in enumerate(prompt_ids) if t == vc.image_token_id]
         order = req.image_order()
         if len(placed) != len(order):
-            raise Refusal(f"the prompt places {len(placed)} image(s) ({self.vision.image_token}"
+            raise MediaRefused(f"the prompt places {len(placed)} image(s) ({self.vision.image_token}"
                           f"), the request carries {len(order)}")
         if not order:
             return AdmittedPrompt(prompt_ids)
@@ -121,7 +121,7 @@ class ImageEncoder:
             try:
                 img = decode_image(m.data, m.mime_type, self.limits.max_image_pixels)
             except InvalidArgument as exc:
-                raise Refusal(f"media[{order[j]}]: {exc.message}") from exc
+                raise MediaRefused(f"media[{order[j]}]: {exc.message}") from exc
             pixels[keys[j]] = preprocess(img, self.vision.preprocess, vc.image_size)
         if pixels:
             out = self.tower.encode(np.stack(list(pixels.values())))

@@ -44,8 +44,7 @@ from llm_runner_svc.stage.diagnostics import (
     stage_diagnostics,
 )
 from llm_runner_svc.stage.faults import runtime_factory_from_env
-from llm_runner_svc.stage.images import ImageEncoder
-from llm_runner_svc.stage.images import Refusal as ImageRefusal
+from llm_runner_svc.stage.images import ImageEncoder, MediaRefused
 from llm_runner_svc.stage.limits import RequestSizes
 from llm_runner_svc.stage.metrics import StageMetrics
 from llm_runner_svc.stage.publish import HiddenPublisher, Subscriber
@@ -233,7 +232,7 @@ class LlmStage(StageCore):
                 self.hidden.request_started(request.request_id)
         except Refused as refused:
             return Admission(False, refused.refusal, refused.reason)
-        except ImageRefusal as refused:
+        except MediaRefused as refused:
             return Admission(False, Refusal.MEDIA_INVALID, str(refused))
         finally:
             self.tokenizer.release(slot_id)
