@@ -103,8 +103,8 @@ class ImageEncoder:
         placed = [i for i, t in enumerate(prompt_ids) if t == vc.image_token_id]
         order = req.image_order()
         if len(placed) != len(order):
-            raise MediaRefused(f"the prompt places {len(placed)} image(s) ({self.vision.image_token}"
-                          f"), the request carries {len(order)}")
+            raise MediaRefused(f"the prompt places {len(placed)} image(s) "
+                               f"({self.vision.image_token}), the request carries {len(order)}")
         if not order:
             return AdmittedPrompt(prompt_ids)
         t0 = time.perf_counter()
