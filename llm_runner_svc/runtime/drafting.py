@@ -88,6 +88,9 @@ class DraftProposer:
         for i in live:
             state = self._seqs[seqs[i].req.request_id]
             known = seqs[i].known
+            # The last known token is fed again at least: a proposal the scheduler left
+            # without a row (no budget, a preemption) was never verified or rolled back.
+            state.computed = min(state.computed, len(known) - 1)
             rows.append(Row(tuple(known[state.computed:]), state.computed, tuple(state.pages),
                             _GREEDY))
             state.computed = len(known)

@@ -423,3 +423,22 @@ def test_stage_speculates_with_a_layer_skip_draft_and_honours_disable_spec_decod
                 "tokens_per_target_step"):
         assert stage[f"spec_{key}"] == pytest.approx(diags[1][key], rel=1e-3), key
     assert rate == pytest.approx(diags[1]["acceptance_rate"], rel=1e-3)
+
+
+def test_draft_proposals_without_a_row_this_step_are_forgotten(stories):
+    """A request whose draft proposed but which got no row that step (the token budget ran
+    out, or it was preempted) proposes again from its known tokens: the draft's KV of the
+    unverified proposal is not taken as its own."""
+    from types import SimpleNamespace
+
+    rt = _draft_runtime(stories, "numpy", SpecConfig("self", 4, draft_layers=2), max_batch=2)
+    try:
+        seq = SimpleNamespace(req=SimpleNamespace(request_id="a"),
+                              known=stories.tokenizer.encode(PROMPTS[0], add_bos=True))
+        first = rt.proposer.propose_batch([seq], [4])
+        again = rt.proposer.propose_batch([seq], [4])  # no verify row in between
+        assert len(first[0]) == 4 and again == first
+        rt.proposer.release(seq)
+        assert rt.proposer.pool.num_free == rt.proposer.pool.num_pages
+    finally:
+        rt.close()
