@@ -14,6 +14,7 @@ tokens (its page table shrinks; nothing is copied).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ from llm_runner_svc.engines.batch import Batch, Row, SampleSpec
 from llm_runner_svc.runtime.kv import PagePool
 from llm_runner_svc.runtime.speculative import SpecConfig
 
+log = logging.getLogger(__name__)
 _GREEDY = SampleSpec(0.0, 0, 1.0)
 
 
@@ -78,12 +80,27 @@ class DraftProposer:
 
     def propose_batch(self, seqs: Sequence[Any], ks: Sequence[int]) -> list[list[int]]:
         """Up to ks[i] tokens to follow seqs[i].known, for every request in one batch per
-        draft step; empty where the draft pool has no pages for it."""
+        draft step; empty where the draft pool has no pages for it. A draft forward that
+        fails costs its requests their proposals (they decode plainly this step, and their
+        draft KV is recomputed), not their run."""
         out: list[list[int]] = [[] for _ in seqs]
         live = [i for i, (s, k) in enumerate(zip(seqs, ks, strict=True))
                 if k > 0 and self._reserve(s, len(s.known) + k - 1)]
         if not live:
             return out
+        try:
+            self._draft(seqs, ks, live, out)
+        except Exception:
+            log.exception("draft forward failed for %d requests; they decode plainly",
+                          len(live))
+            for i in live:
+                self.release(seqs[i])
+            return [[] for _ in seqs]
+        return out
+
+    def _draft(self, seqs: Sequence[Any], ks: Sequence[int], live: list[int],
+               out: list[list[int]]) -> None:
+        """The draft forwards of `propose_batch`: its proposals into `out`."""
         rows = []
         for i in live:
             state = self._seqs[seqs[i].req.request_id]
@@ -110,7 +127,6 @@ class DraftProposer:
                     if is_sure and len(out[i]) < ks[i]]
             if not live:
                 break
-        return out
 
     def _confident(self, num_rows: int) -> list[bool]:
         """Per row of the last draft forward: its top probability reaches the threshold."""

@@ -442,3 +442,26 @@ def test_draft_proposals_without_a_row_this_step_are_forgotten(stories):
         assert rt.proposer.pool.num_free == rt.proposer.pool.num_pages
     finally:
         rt.close()
+
+
+def test_a_failing_draft_costs_its_requests_their_proposals_only(stories):
+    plain, _, _ = _run(stories, None)
+    rt = _draft_runtime(stories, "numpy", SpecConfig("self", 4, draft_layers=2), max_batch=4)
+    launch, calls = rt.proposer.engine.launch, []
+
+    def flaky(batch):
+        calls.append(1)
+        if len(calls) % 7 == 3:
+            raise RuntimeError("draft device lost")
+        return launch(batch)
+
+    rt.proposer.engine.launch = flaky
+    try:
+        for req in _requests(stories, rt):
+            rt.submit(req)
+        got, ends = _drain(rt)
+        assert got == plain
+        assert all(e[0] is FinishReason.MAX_LENGTH for e in ends.values())
+        assert rt.proposer.pool.num_free == rt.proposer.pool.num_pages
+    finally:
+        rt.close()
