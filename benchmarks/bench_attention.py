@@ -5,8 +5,12 @@ tensors (what transformers runs). Prints ms per layer, TFLOP/s (causal: q.k and 
 n(n+1)/2 pairs) and each result's distance from SDPA's; then the Triton kernel's tile
 choices (queries per block, keys per tile, warps, stages), fastest first.
 
+With `--after P`, the prompts are short passes after P cached positions (a reused system
+prompt): only the Triton kernel, with its keys split over 1, 8 or 16 programs per block
+(`prefill_splits`) and the combine launch counted in.
+
 Usage: python benchmarks/bench_attention.py [--shapes qwen2.5-1.5b,qwen2.5-7b]
-       [--prompts 512,2048,8192] [--page-size 16] [--no-sweep]
+       [--prompts 512,2048,8192] [--page-size 16] [--no-sweep] [--after 2000]
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from llm_runner_svc.engines.torch_prefill import (  # noqa: E402
     PrefillStager,
 )
 from llm_runner_svc.engines.torch_triton_prefill import (  # noqa: E402
+    PrefillPartials,
     Tiles,
     launch_prefill_attention,
     prefill_block,
+    prefill_splits,
 )
 from llm_runner_svc.engines.torch_weights import named_shape  # noqa: E402
 
@@ -109,13 +115,65 @@ def bench(shape: str, n: int, page: int, has_sweep: bool) -> dict:
     return row
 
 
+def after_prefix(shape: str, n: int, prefix: int, page: int) -> None:
+    """A pass of `n` queries at positions prefix .. prefix + n - 1: ms per layer by
+    (queries per block, tiles, splits), fastest first, and the engine's own choice."""
+    c = named_shape(shape)
+    dev = torch.device("cuda")
+    pages = -(-(prefix + n) // page)
+    order = torch.randperm(pages).tolist()
+    qkv = torch.randn(n, c.q_dim + 2 * c.kv_dim, device=dev, dtype=torch.bfloat16)
+    k_pool = torch.randn((pages + 1) * page, c.kv_dim, device=dev, dtype=torch.bfloat16)
+    v_pool = torch.randn_like(k_pool)
+    out = torch.empty(n, c.q_dim, device=dev, dtype=torch.bfloat16)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    partials = PrefillPartials(c.num_heads, c.head_dim, sms, dev, rows=16 * n)
+    stager = PrefillStager(n, 1, pages, page, pages, dev)
+    chunk = PrefillChunk([0] * n, prefix, order, 0)
+    ref = None
+    timings = []
+    for block_m in (16, 64):
+        lay = stager.stage([chunk], block_m)
+        most = partials.part.shape[0] // n
+        for tiles in ((32, 4, 2), (64, 4, 2), (64, 4, 3)):
+            for splits in (s for s in (1, 8, 16) if s <= most):
+                def run(lay: PrefillLayout = lay, block_m: int = block_m,
+                        tiles: Tiles = tiles, splits: int = splits) -> None:
+                    launch_prefill_attention(qkv, k_pool, v_pool, lay.blocks, lay.tables, out,
+                                             c.num_heads, c.num_kv_heads, c.head_dim, page,
+                                             block_m, tiles, partials, splits)
+
+                run()
+                got = out.float().clone()
+                ref = got if ref is None else ref
+                rel = float((got - ref).norm() / ref.norm())
+                ms = gpu_paths.event_ms(run, reps=20, rounds=3, warmup=2)
+                timings.append((ms, block_m, tiles, splits, rel))
+    timings.sort()
+    own = prefill_splits(n, prefill_block(n), c.num_heads, sms)
+    print(f"# {shape}: {n} queries after {prefix} positions; the engine takes block "
+          f"{prefill_block(n)}, {own} splits")
+    print("| queries per block | tiles (keys, warps, stages) | splits | us per layer | "
+          "all layers ms | rel to the first |\n|---:|---|---:|---:|---:|---:|")
+    for ms, block_m, tiles, splits, rel in timings:
+        print(f"| {block_m} | {tiles} | {splits} | {ms * 1000:.1f} | "
+              f"{ms * c.num_layers:.2f} | {rel:.1e} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", default="qwen2.5-1.5b,qwen2.5-7b")
     ap.add_argument("--prompts", default="512,2048,8192")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--no-sweep", action="store_true", help="leave out the tile sweep")
+    ap.add_argument("--after", type=int, default=0,
+                    help="cached positions before each prompt (short passes after a prefix)")
     args = ap.parse_args()
+    if args.after:
+        for s in args.shapes.split(","):
+            for n in args.prompts.split(","):
+                after_prefix(s, int(n), args.after, args.page_size)
+        return
     rows = [bench(s, int(n), args.page_size, not args.no_sweep) for s in args.shapes.split(",")
             for n in args.prompts.split(",")]
     names = ("triton_paged", "flash_gathered", "sdpa")

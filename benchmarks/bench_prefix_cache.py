@@ -91,28 +91,55 @@ def _call(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
-def ttft(model: Model, engine: Engines, system: int, user: int, profile: bool = False
-         ) -> None:
-    sys_ids = tokens(model, system, "System")
+def _median(ms: list[RequestMetrics]) -> RequestMetrics:
+    return sorted(ms, key=lambda m: m.ttft_ms)[len(ms) // 2]
+
+
+def ttft(model: Model, engine: Engines, system: int, user: int, profile: bool = False,
+         rounds: int = 1, gpu_profile: bool = False) -> None:
+    """Each round: a new system prompt (cold), then the same system prompt with another
+    user turn (reuse), then that prompt again with the lookup bypassed; the table gives
+    each request's median round."""
     rt = runtime(model, engine, system + user + 16, True)
     if model.format == "random":  # kernels compiled (a prefill after reused pages too)
         warm = tokens(model, system, "Warm-up")
         run(rt, "warm-up", warm + tokens(model, user, "Warm-up A"))
         run(rt, "warm-up reuse", warm + tokens(model, user, "Warm-up B"))
-    first, _ = run(rt, "first", sys_ids + tokens(model, user, "Question A"))
+    seen: dict[str, list[RequestMetrics]] = {"first": [], "second": [], "bypass": []}
     prof = cProfile.Profile() if profile else None
-    second, _ = (prof.runcall if prof else _call)(run, rt, "second",
-                                                  sys_ids + tokens(model, user, "Question B"))
-    bypass, _ = run(rt, "bypass", sys_ids + tokens(model, user, "Question B"), lookup=False)
+    for r in range(rounds):
+        sys_ids = tokens(model, system, f"System {r}")
+        seen["first"].append(run(rt, f"first {r}",
+                                 sys_ids + tokens(model, user, f"Question A{r}"))[0])
+        second = sys_ids + tokens(model, user, f"Question B{r}")
+        if r == rounds - 1 and gpu_profile:
+            _gpu_profile(rt, sys_ids + tokens(model, user, f"Question C{r}"))
+        call = prof.runcall if prof is not None and r == rounds - 1 else _call
+        seen["second"].append(call(run, rt, f"second {r}", second)[0])
+        seen["bypass"].append(run(rt, f"bypass {r}", second, lookup=False)[0])
     rt.close()
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    first, second, bypass = (_median(seen[k]) for k in ("first", "second", "bypass"))
+    print(f"median of {rounds} round(s); TTFT of every round, ms: "
+          + "; ".join(f"{k} " + ", ".join(f"{m.ttft_ms:.1f}" for m in v)
+                      for k, v in seen.items()) + "\n")
     print("| request | cached | prefilled | TTFT ms | of which queued | vs first |\n"
           "|---|---|---|---|---|---|")
     for name, m in (("first (cold)", first), ("second (reuse)", second),
                     ("second, lookup bypassed", bypass)):
         print(f"| {name} | {m.cached_tokens} | {m.prefilled_tokens} | {m.ttft_ms:.1f} | "
               f"{m.queue_ms:.1f} | {m.ttft_ms / first.ttft_ms:.3f}x |")
+
+
+def _gpu_profile(rt: InferenceRuntime, prompt: list[int]) -> None:
+    """The GPU kernels of one reusing request, by total time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        run(rt, "profiled", prompt)
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
 
 
 def conversation(model: Model, turns: int, user: int, answer: int) -> None:
@@ -174,10 +201,17 @@ def main() -> None:
                     help="the torch engine's option (default: the engine's)")
     ap.add_argument("--prefill-graph-tokens", type=int, default=None,
                     help="the torch engine's option (default: the engine's)")
+    ap.add_argument("--split-prefill-keys", type=int, choices=(0, 1), default=None,
+                    help="the torch engine's option (default: the engine's)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="cold/reuse rounds, the median reported (default 5 on torch, else 1)")
+    ap.add_argument("--gpu-profile", action="store_true",
+                    help="the GPU kernels of one reusing request (torch.profiler)")
     args = ap.parse_args()
     if args.engine == "torch":
         options = {k: v for k, v in (("fused_prefill_rows", args.fused_prefill_rows),
-                                     ("prefill_graph_tokens", args.prefill_graph_tokens))
+                                     ("prefill_graph_tokens", args.prefill_graph_tokens),
+                                     ("split_prefill_keys", args.split_prefill_keys))
                    if v is not None}
         model, engine = torch_model(args.shape, **options)
         where = f"{args.shape} (random bf16 weights) on the torch engine, CUDA {options}"
@@ -186,7 +220,8 @@ def main() -> None:
         where = (f"{args.model} on the numpy engine, {platform.processor() or platform.machine()}"
                  f", {os.cpu_count()} cores")
     print(f"{where}; system prompt {args.system} tokens, user turn {args.user}\n")
-    ttft(model, engine, args.system, args.user, args.profile)
+    rounds = args.rounds or (5 if args.engine == "torch" else 1)
+    ttft(model, engine, args.system, args.user, args.profile, rounds, args.gpu_profile)
     if args.turns:
         conversation(model, args.turns, args.user, args.answer)
 

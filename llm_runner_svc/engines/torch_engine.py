@@ -86,6 +86,7 @@ class TorchEngine(TorchSteps):
                  fused_prefill_rows: int | None = None,
                  mixed_steps: str = "split",
                  prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS,
+                 split_prefill_keys: bool = True,
                  adapters: Sequence[LoraAdapter] = ()) -> None:
         """`dtype`: "float32" or "bfloat16" (default: bf16 on CUDA, float32 on the CPU).
         `kernels`: "triton" (the CUDA default: fused kernels, decode steps as CUDA graphs), or
@@ -102,8 +103,13 @@ class TorchEngine(TorchSteps):
         forward over all rows); see `launch`.
         `prefill_graph_tokens`: with triton kernels on CUDA, prefill passes of up to this
         many tokens replay a CUDA graph captured per power-of-two bucket (0: always eager).
+        `split_prefill_keys`: with triton kernels, short prefill passes (after a long cached
+        prefix, say) spread each query block's keys over several programs and combine them
+        (torch_triton_prefill.py); False: one program per block and head.
         `adapters`: the LoRA adapters a row may name (row adapter k: `adapters[k - 1]`);
-        a forward with such rows runs eagerly and unfused (torch_lora.py)."""
+        on CUDA, decode batches with such rows replay their own graphs, which add each
+        row's adapter from stacked slot buffers (torch_lora_triton.py); a prefill forward
+        with such rows runs eagerly and unfused (torch_lora.py)."""
         self.config = config
         self.device = resolve_device(device)
         default = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -124,6 +130,7 @@ class TorchEngine(TorchSteps):
             raise InvalidArgument(f"mixed_steps {mixed_steps!r}: 'split' or 'joined'")
         self.mixed_steps = mixed_steps
         self.prefill_graph_tokens = max(0, prefill_graph_tokens)
+        self.split_prefill_keys = split_prefill_keys
         self.fused_rows = fused_rows
         self.fused_prefill_rows = fused_prefill_rows
         self.weights = weights if isinstance(weights, TorchWeights) else load_weights(
@@ -162,7 +169,7 @@ class TorchEngine(TorchSteps):
 
             num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                        if self.device.type == "cuda" else 1)
-            ops = TritonOps(c, plan.page_size, num_sms, has_fused)
+            ops = TritonOps(c, plan.page_size, num_sms, has_fused, self.split_prefill_keys)
             self._bytes += ops.reserve(plan.max_batch, plan.max_seq, self.device)
         self.forward = Forward(c, self.weights, ops, self.state, plan.hidden_layer,
                                plan.page_size, has_f32, self.fused_rows,

@@ -21,7 +21,11 @@ from llm_runner_svc.engines.torch_triton_kernels import (
     rope_store_kernel,
     silu_mul_kernel,
 )
-from llm_runner_svc.engines.torch_triton_prefill import launch_prefill_attention, prefill_block
+from llm_runner_svc.engines.torch_triton_prefill import (
+    PrefillPartials,
+    launch_prefill_attention,
+    prefill_block,
+)
 from llm_runner_svc.engines.torch_triton_products import FusedProducts
 from llm_runner_svc.models.spec import ModelConfig, RopeStyle
 
@@ -37,11 +41,15 @@ def _pow2(n: int, least: int = 1) -> int:
 
 class TritonOps(TorchOps):
     def __init__(self, config: ModelConfig, page_size: int, num_sms: int,
-                 has_fused_products: bool) -> None:
+                 has_fused_products: bool, split_prefill_keys: bool = True) -> None:
         """`has_fused_products`: the weights are bf16 and the forward may use
-        `products` (see torch_triton_products.py)."""
+        `products` (see torch_triton_products.py). `split_prefill_keys`: short prefill
+        passes share each query block's keys among several programs
+        (`prefill_splits`)."""
         super().__init__(config, page_size)
         self.num_sms = num_sms
+        self.split_prefill_keys = split_prefill_keys
+        self._partials: PrefillPartials | None = None
         self.products = FusedProducts(config.rms_eps) if has_fused_products else None
         self._part: torch.Tensor | None = None  # [rows, heads, splits, hd_p] float32
         self._lse: torch.Tensor | None = None  # [rows, heads, splits] float32
@@ -72,7 +80,10 @@ class TritonOps(TorchOps):
         self._best = (torch.empty((max_rows, chunks), device=device),
                       torch.empty((max_rows, chunks), dtype=torch.int32, device=device),
                       torch.zeros(max_rows, dtype=torch.int32, device=device))
-        return sum(t.nbytes for t in (self._part, self._lse, self._counts, *self._best))
+        if self.split_prefill_keys:
+            self._partials = PrefillPartials(c.num_heads, c.head_dim, self.num_sms, device)
+        return sum(t.nbytes for t in (self._part, self._lse, self._counts, *self._best)) + (
+            self._partials.nbytes if self._partials is not None else 0)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
         n, d = x.shape
@@ -105,7 +116,7 @@ class TritonOps(TorchOps):
         c = self.config
         launch_prefill_attention(qkv, k_pool, v_pool, layout.blocks, layout.tables, out,
                                  c.num_heads, c.num_kv_heads, c.head_dim, self.page_size,
-                                 layout.block)
+                                 layout.block, partials=self._partials)
 
     def prefill_block(self, num_tokens: int) -> int:
         return prefill_block(num_tokens)

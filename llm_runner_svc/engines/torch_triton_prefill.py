@@ -71,8 +71,11 @@ def _tile(acc, m_i, l_i, q, n0, q_pos, end, table, k_pool_ptr, v_pool_ptr, kvh, 
     if IS_DIAGONAL:
         s = tl.where((offs[None, :] <= q_pos[:, None]) & nmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_use = m_new
+    if IS_DIAGONAL:  # a split's first tile may hide every key from a query
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + _dot(p, v, MODE)
     return acc, m_new, l_i
@@ -80,14 +83,21 @@ def _tile(acc, m_i, l_i, q, n0, q_pos, end, table, k_pool_ptr, v_pool_ptr, kvh, 
 
 @triton.jit
 def prefill_attention_kernel(qkv_ptr, qkv_stride, k_pool_ptr, v_pool_ptr, out_ptr, out_stride,
-                             blocks_ptr, tables_ptr, table_stride, scale,
-                             GROUP: tl.constexpr, KV_DIM: tl.constexpr, HD: tl.constexpr,
-                             HD_P: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, MODE: tl.constexpr):
-    """Grid (heads, blocks): the heads of one block run side by side, so the GROUP heads
-    that share a kv head read its tiles while they are in L2. `scale` is log2(e)/sqrt(hd)."""
+                             blocks_ptr, tables_ptr, table_stride, scale, part_ptr, ml_ptr,
+                             part_rows, GROUP: tl.constexpr, KV_DIM: tl.constexpr,
+                             HD: tl.constexpr, HD_P: tl.constexpr, PAGE: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+                             SPLITS: tl.constexpr):
+    """Grid (heads, blocks, SPLITS): the heads of one block run side by side, so the GROUP
+    heads that share a kv head read its tiles while they are in L2. `scale` is
+    log2(e)/sqrt(hd). With SPLITS > 1, split s folds tiles s, s + SPLITS, ... and leaves
+    its unnormalised sums and (max, denominator) per query in the partials (`part_ptr`
+    [SPLITS, part_rows, heads, HD_P], `ml_ptr` [SPLITS, part_rows, heads, 2]) for
+    `combine_kernel`."""
     head = tl.program_id(0)
     blk = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(0)
     chunk = tl.load(blocks_ptr + blk * 4)
     first = tl.load(blocks_ptr + blk * 4 + 1)
     pos0 = tl.load(blocks_ptr + blk * 4 + 2)
@@ -107,16 +117,49 @@ def prefill_attention_kernel(qkv_ptr, qkv_stride, k_pool_ptr, v_pool_ptr, out_pt
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HD_P], tl.float32)
     full = pos0 // BLOCK_N * BLOCK_N  # tiles below this are visible to every query
-    for n0 in range(0, full, BLOCK_N):
+    for n0 in range(split * BLOCK_N, full, SPLITS * BLOCK_N):
         acc, m_i, l_i = _tile(acc, m_i, l_i, q, n0, q_pos, end, table, k_pool_ptr,
                               v_pool_ptr, kvh, d, dmask, scale, KV_DIM, HD, HD_P, PAGE, BLOCK_N,
                               MODE, False)
-    for n0 in range(full, end, BLOCK_N):
+    full_tiles = full // BLOCK_N
+    diagonal = full_tiles + (split + SPLITS - full_tiles % SPLITS) % SPLITS  # this split's first
+    for n0 in range(diagonal * BLOCK_N, end, SPLITS * BLOCK_N):
         acc, m_i, l_i = _tile(acc, m_i, l_i, q, n0, q_pos, end, table, k_pool_ptr,
                               v_pool_ptr, kvh, d, dmask, scale, KV_DIM, HD, HD_P, PAGE, BLOCK_N,
                               MODE, True)
-    out_off = (first + m)[:, None] * out_stride + head * HD + d[None, :]
-    tl.store(out_ptr + out_off, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+    if SPLITS == 1:
+        out_off = (first + m)[:, None] * out_stride + head * HD + d[None, :]
+        tl.store(out_ptr + out_off, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=q_mask)
+    else:
+        row = (split * part_rows + first + m) * num_heads + head  # [BLOCK_M]
+        tl.store(part_ptr + row[:, None] * HD_P + d[None, :], acc, mask=mmask[:, None])
+        tl.store(ml_ptr + row * 2, m_i, mask=mmask)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=mmask)
+
+
+@triton.jit
+def combine_kernel(part_ptr, ml_ptr, part_rows, out_ptr, out_stride, HD: tl.constexpr,
+                   HD_P: tl.constexpr, SPLITS: tl.constexpr):
+    """Grid (tokens, heads): one query's SPLITS partial sums into its output. A split that
+    saw no key left max -inf and denominator 0, so it weighs nothing; a padding token that
+    no block holds reads stale partials and writes what it likes to its own row."""
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, HD_P)
+    row = (s * part_rows + tok) * num_heads + head  # [SPLITS]
+    m_s = tl.load(ml_ptr + row * 2)
+    l_s = tl.load(ml_ptr + row * 2 + 1)
+    m_max = tl.max(m_s, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m_s - m_max)
+    l_sum = tl.sum(w * l_s, axis=0)
+    acc = tl.sum(w[:, None] * tl.load(part_ptr + row[:, None] * HD_P + d[None, :]), axis=0)
+    res = tl.where(l_sum > 0, acc / l_sum, 0.0)
+    tl.store(out_ptr + tok * out_stride + head * HD + d, res.to(out_ptr.dtype.element_ty),
+             mask=d < HD)
 
 
 Tiles = tuple[int, int, int]  # (BLOCK_N, num_warps, num_stages)
@@ -139,19 +182,75 @@ def prefill_block(num_tokens: int) -> int:
     return 128 if num_tokens > 1024 else 64
 
 
+SPLIT_TOKENS = 256  # passes up to this many tokens may split their keys
+MAX_SPLITS = 16
+
+
+def prefill_splits(num_tokens: int, block_m: int, num_heads: int, num_sms: int) -> int:
+    """How many programs share one block's keys in a pass of `num_tokens` tokens (blocks of
+    `block_m`): a few dozen query heads of a short pass after a long cached prefix would
+    otherwise each stream every key alone on a handful of the GPU's multiprocessors.
+    Enough splits to give every multiprocessor two programs, for passes up to
+    SPLIT_TOKENS (longer ones have blocks enough), a power of two up to MAX_SPLITS."""
+    if num_tokens > SPLIT_TOKENS:
+        return 1
+    programs = num_heads * -(-num_tokens // block_m)
+    want = max(1, 2 * num_sms // programs)
+    return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
+
+
+def split_rows(num_heads: int, num_sms: int) -> int:
+    """Rows of the partials (`PrefillPartials`): the most SPLITS x tokens any pass needs."""
+    return max(prefill_splits(t, prefill_block(t), num_heads, num_sms) * t
+               for t in range(1, SPLIT_TOKENS + 1))
+
+
+class PrefillPartials:
+    """The split passes' partial sums, claimed before any capture."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_sms: int,
+                 device: torch.device, rows: int = 0) -> None:
+        """`rows`: at least this many (splits x tokens), for passes that choose their own
+        splits."""
+        self.num_heads, self.num_sms = num_heads, num_sms
+        hd_p = max(16, 1 << (head_dim - 1).bit_length())
+        rows = max(rows, split_rows(num_heads, num_sms))
+        self.part = torch.zeros((rows, num_heads, hd_p), device=device)
+        self.ml = torch.zeros((rows, num_heads, 2), device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.part.nbytes + self.ml.nbytes)
+
+
 def launch_prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                              blocks: torch.Tensor, tables: torch.Tensor, out: torch.Tensor,
                              num_heads: int, num_kv_heads: int, head_dim: int,
-                             page_size: int, block_m: int, tiles: Tiles | None = None) -> None:
+                             page_size: int, block_m: int, tiles: Tiles | None = None,
+                             partials: PrefillPartials | None = None,
+                             splits: int | None = None) -> None:
     """out [T, heads * hd] = causal attention of the q heads at the start of qkv rows over
     the pool, per the layout's `blocks` [B, 4] (of `block_m` queries) and `tables`
-    [R, pages] (int64). `tiles`: (keys per tile, warps, stages), else `tiles_for`."""
+    [R, pages] (int64). `tiles`: (keys per tile, warps, stages), else `tiles_for`. With
+    `partials`, a short pass splits each block's keys (`prefill_splits`) and a second
+    launch combines the splits; `splits` overrides that choice (at most what `partials`
+    holds rows for)."""
     is_f32 = (k_pool.dtype == torch.float32, qkv.dtype == torch.float32)
     mode = IEEE if is_f32[0] else SPLIT if is_f32[1] else BF16
     block_n, warps, stages = tiles or tiles_for(block_m, mode)
     hd_p = max(16, 1 << (head_dim - 1).bit_length())
-    prefill_attention_kernel[(num_heads, blocks.shape[0])](
+    tokens = qkv.shape[0]
+    if partials is None:
+        splits = 1
+    elif splits is None:
+        splits = prefill_splits(tokens, block_m, num_heads, partials.num_sms)
+    part, ml = (partials.part, partials.ml) if partials is not None else (out, out)
+    prefill_attention_kernel[(num_heads, blocks.shape[0], splits)](
         qkv, qkv.stride(0), k_pool, v_pool, out, out.stride(0), blocks, tables,
-        tables.stride(0), LOG2E / math.sqrt(head_dim), GROUP=num_heads // num_kv_heads,
-        KV_DIM=num_kv_heads * head_dim, HD=head_dim, HD_P=hd_p, PAGE=page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, MODE=mode, num_warps=warps, num_stages=stages)
+        tables.stride(0), LOG2E / math.sqrt(head_dim), part, ml, tokens,
+        GROUP=num_heads // num_kv_heads, KV_DIM=num_kv_heads * head_dim, HD=head_dim,
+        HD_P=hd_p, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, MODE=mode,
+        SPLITS=splits, num_warps=warps, num_stages=stages)
+    if splits > 1:
+        combine_kernel[(tokens, num_heads)](part, ml, tokens, out, out.stride(0), HD=head_dim,
+                                            HD_P=hd_p, SPLITS=splits, num_warps=4)

@@ -373,3 +373,65 @@ def test_fast_prefill_against_the_precise_path(arch, stories, tmp_path):
                   f"logits {np.abs(logits - want_logits).max():.1e}")
             assert spread[2] < BF16_CUBLAS_REL
             _clear_leads_agree(logits, want_logits, 0.5)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "split", "ieee"])
+def test_split_prefill_keys_against_one_program_per_block(mode):
+    """A short pass after long prefixes (the cached-prompt case) spreads each query block's
+    keys over several programs: the combined result equals a float64 reference as closely
+    as one program per block does, in each operand mode, for chunks of a padded graph
+    layout and of an exact one, including a chunk whose keys fit one split."""
+    from llm_runner_svc.engines.torch_prefill import PrefillChunk, PrefillStager
+    from llm_runner_svc.engines.torch_triton_prefill import (
+        PrefillPartials,
+        launch_prefill_attention,
+        prefill_block,
+        prefill_splits,
+    )
+
+    heads, kv_heads, hd, page, pages = 28, 4, 128, 16, 400
+    dev = torch.device("cuda")
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    pool_dtype = torch.float32 if mode == "ieee" else torch.bfloat16
+    q_dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    k_pool = torch.randn(pages * page + page, kv_heads * hd, generator=gen).to(dev, pool_dtype)
+    v_pool = torch.randn(pages * page + page, kv_heads * hd, generator=gen).to(dev, pool_dtype)
+    order = torch.randperm(pages - 1, generator=gen).tolist()
+    chunks = [PrefillChunk([0] * 50, 2000, order[:129], 0),
+              PrefillChunk([0] * 9, 3, order[129:130], 1),
+              PrefillChunk([0] * 5, 700, order[130:175], 2)]
+    stager = PrefillStager(max_tokens=512, max_chunks=4, pages=200, page_size=page,
+                           scratch_page=pages, device=dev)
+    partials = PrefillPartials(heads, hd, torch.cuda.get_device_properties(0)
+                               .multi_processor_count, dev)
+    for pad in (0, 64):
+        layout = stager.stage(chunks, prefill_block(64), pad_tokens=pad)
+        n = layout.num_tokens
+        assert prefill_splits(n, layout.block, heads, partials.num_sms) > 1
+        qkv = torch.randn(n, (heads + 2 * kv_heads) * hd, generator=gen).to(dev, q_dtype)
+        one = torch.zeros(n, heads * hd, device=dev, dtype=q_dtype)
+        split = torch.zeros_like(one)
+        args = (heads, kv_heads, hd, page, layout.block)
+        launch_prefill_attention(qkv, k_pool, v_pool, layout.blocks, layout.tables, one, *args)
+        launch_prefill_attention(qkv, k_pool, v_pool, layout.blocks, layout.tables, split,
+                                 *args, partials=partials)
+        for i, (first, count, start) in enumerate(layout.spans):
+            end = start + count
+            rows = (layout.tables[i, :(end - 1) // page + 1, None] * page
+                    + torch.arange(page, device=dev)).reshape(-1)
+            keys = k_pool[rows].double().view(-1, kv_heads, hd)
+            vals = v_pool[rows].double().view(-1, kv_heads, hd)
+            q = qkv[first:first + count, :heads * hd].double().view(count, heads, hd)
+            q = q.transpose(0, 1)  # [heads, count, hd]
+            kh = keys.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+            vh = vals.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+            scores = q @ kh.transpose(1, 2) / hd ** 0.5
+            pos = torch.arange(start, end, device=dev)
+            hidden = torch.arange(kh.shape[1], device=dev)[None, :] > pos[:, None]
+            want = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1) @ vh
+            want = want.transpose(0, 1).reshape(count, heads * hd)
+            err_one = (one[first:first + count].double() - want).abs().max().item()
+            err_split = (split[first:first + count].double() - want).abs().max().item()
+            print(f"{mode} pad {pad} chunk {i} at {start}: one program {err_one:.1e}, "
+                  f"split {err_split:.1e}")
+            assert err_split <= max(2 * err_one, 1e-5)
