@@ -57,7 +57,7 @@ class StageServicerBase(stage_pb2_grpc.StageServicer):
             check_slot_id(sid)
         cohort = self.core.open_cohort(list(first.join), first.credits,
                                        codec.member_credits_from_pb(first))
-        reader = asyncio.create_task(self._read_controls(request_iterator, cohort))
+        reader = asyncio.create_task(self._read_controls(request_iterator, cohort, context))
         is_complete = False
         try:
             async for event in cohort.events():
@@ -67,10 +67,12 @@ class StageServicerBase(stage_pb2_grpc.StageServicer):
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
-            self.core.close_cohort(cohort, is_broken=not is_complete)
+            # A client that cancels may end the reads as a half-close would, and the
+            # members may all have ended by then: the events it never read make it broken.
+            self.core.close_cohort(cohort, is_broken=not is_complete or context.cancelled())
 
     async def _read_controls(self, request_iterator: AsyncIterator[pb.StepRequest],
-                             cohort: Cohort) -> None:
+                             cohort: Cohort, context: grpc.aio.ServicerContext) -> None:
         """Later Step messages: joins and credits. A malformed one fails the stream."""
         try:
             async for msg in request_iterator:
@@ -84,6 +86,8 @@ class StageServicerBase(stage_pb2_grpc.StageServicer):
         except ServiceError as exc:
             cohort.fail(exc)
             return
+        if context.cancelled():
+            return  # not a half-close: the handler's finally cleans up as after a break
         cohort.client_done()
 
     async def Finish(self, request: pb.FinishRequest, context: grpc.aio.ServicerContext
