@@ -128,10 +128,10 @@ def test_bf16_graph_kernels_against_grouped_products(stories, adapters):
     assert _rel(got, want) < 2e-2
 
 
-def test_bf16_batch_one_with_fused_products_against_the_merged_model(stories, adapters):
-    """At batch 1 the decode graph keeps the fused q/k/v, o and down products (their LoRA
-    terms added around them) and runs gate/up unfused: against the merged model's own
-    batch-1 graph, within bf16 rounding (the merged weights are rounded to bf16 once)."""
+def test_bf16_batch_one_against_the_merged_model(stories, adapters):
+    """At batch 1 an adapter's decode graph runs every product on cuBLAS with the LoRA
+    terms added to its output: against the merged model's own batch-1 graph (the fused
+    products), within bf16 rounding (the merged weights are rounded to bf16 once)."""
     for k, adapter in enumerate(adapters, 1):
         got = _decode_logits(stories, adapters, [(PROMPTS[2], k)])
         merged = merge_adapter(stories.weights, adapter)
