@@ -147,10 +147,13 @@ class Scheduler:
         proposer at once (a draft model runs them as one batch per draft step), as long as
         their length limits allow; `_proposal` cuts them to the budget and the pages."""
         groups: dict[int, tuple[Any, list[SequenceState], list[int]]] = {}
+        decoding = sum(seq.status is SeqStatus.DECODING for seq in self.running)
         for seq in self.running:
             if seq.proposer is None or seq.status is not SeqStatus.DECODING or seq.pending \
                     or not self._may_step(seq, held):
                 continue
+            if 0 < seq.proposer.config.max_batch < decoding:
+                continue  # too many decode together: plain rows cost less than verify rows
             k = min(seq.proposer.config.proposal_tokens, self.max_seq - seq.computed - 1,
                     seq.req.sampling.max_new_tokens - len(seq.output_ids) - 1)
             _, seqs, ks = groups.setdefault(id(seq.proposer), (seq.proposer, [], []))

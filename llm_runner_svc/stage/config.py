@@ -294,7 +294,8 @@ def _spec_config(raw: Mapping[str, Any] | None, draft: str) -> SpecConfig | None
         return SpecConfig(raw.get("method", "draft" if draft else "ngram"), k,
                           min_proposal=raw.get("dspark_min_proposal_len", 1),
                           draft_layers=raw.get("draft_layers", 0), draft_checkpoint=draft,
-                          confidence_threshold=float(threshold or 0.0))
+                          confidence_threshold=float(threshold or 0.0),
+                          max_batch=raw.get("disable_by_batch_size", 0))
     except RunnerError as exc:
         raise ConfigError(f"config.{exc.message}") from exc
 

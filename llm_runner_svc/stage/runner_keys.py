@@ -160,6 +160,7 @@ RUNNER_KEYS = Obj(noun="LlmRunner key", fields={
     "spec_decode": Obj({
         "method": Text(("ngram", "self", "draft")),  # ours: the proposer
         "draft_layers": POSITIVE,  # ours: layers the `self` draft keeps
+        "disable_by_batch_size": COUNT,  # ours: no proposals while more requests decode
         "draft_top_k": POSITIVE,
         "draft_step": POSITIVE,
         "proposal_tokens": COUNT,  # 0 = from the draft engine's config

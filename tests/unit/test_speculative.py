@@ -465,3 +465,32 @@ def test_a_failing_draft_costs_its_requests_their_proposals_only(stories):
         assert rt.proposer.pool.num_free == rt.proposer.pool.num_pages
     finally:
         rt.close()
+
+
+@pytest.mark.parametrize(("engine", "spec"), [
+    ("numpy", SpecConfig(proposal_tokens=4, max_batch=1)),
+    ("torch", SpecConfig(proposal_tokens=3, max_batch=1)),
+    ("numpy", SpecConfig("self", 4, draft_layers=2, max_batch=1)),
+])
+def test_no_proposals_while_more_requests_decode_than_disable_by_batch_size(stories, engine,
+                                                                            spec):
+    """With disable_by_batch_size 1, the three requests decode plainly while two or three
+    run (r2, 60 tokens, never runs alone), and r0 speculates once it is the last; a draft
+    catches up on the tokens it skipped. Every output is plain greedy's."""
+    plain, _, _ = _run(stories, None, engine=engine)
+    if spec.method == "ngram":
+        got, ends, _ = _run(stories, spec, engine=engine)
+    else:
+        rt = _draft_runtime(stories, engine, spec, max_batch=4)
+        try:
+            for req in _requests(stories, rt):
+                rt.submit(req)
+            got, ends = _drain(rt)
+            assert rt.pages.num_free == rt.pages.num_pages
+        finally:
+            rt.close()
+    assert got == plain
+    assert ends["r2"][1].proposed_tokens == 0
+    assert ends["r0"][1].proposed_tokens > 0
+    with pytest.raises(InvalidArgument, match="disable_by_batch_size"):
+        SpecConfig(max_batch=-1)
