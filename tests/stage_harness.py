@@ -28,9 +28,11 @@ class StageServer:
     """`with StageServer(config) as srv:` starts the service on port 0; `srv.stub` calls it."""
 
     def __init__(self, config: StageConfig | None = None, slot_ttl_s: float = 600.0,
-                 runtime_factory: Any = None, **options: Any) -> None:
+                 runtime_factory: Any = None, keep_engine: bool = False,
+                 **options: Any) -> None:
+        """A numpy config runs on the test engine (LLM_TEST_ENGINE) unless `keep_engine`."""
         self.config = config or StageConfig(max_seq=512)
-        if self.config.engine == "numpy" and TEST_ENGINE != "numpy":
+        if self.config.engine == "numpy" and TEST_ENGINE != "numpy" and not keep_engine:
             self.config = dataclasses.replace(self.config, engine=TEST_ENGINE)
         self.options = ServerOptions(port=0, **options)
         self.slot_ttl_s = slot_ttl_s
