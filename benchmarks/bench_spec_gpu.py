@@ -55,6 +55,7 @@ from llm_runner_svc.runtime import (  # noqa: E402
     SpecConfig,
     resolve,
 )
+from llm_runner_svc.runtime.speculative import StatelessProposer  # noqa: E402
 
 GREEDY = SampleSpec(0.0, 0, 1.0)
 TINY = ModelConfig(arch="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -63,25 +64,13 @@ TINY = ModelConfig(arch="qwen2", vocab_size=512, hidden_size=64, intermediate_si
                    tie_embeddings=False)
 
 
-class ReplayProposer:
+class ReplayProposer(StatelessProposer):
     """Benchmark only: proposes the tokens a plain greedy run produced next (the target's
     own continuation), so every proposal the verify step agrees with is accepted."""
 
     def __init__(self, config: SpecConfig, continuations: dict[str, list[int]]) -> None:
-        self.config = config
+        super().__init__(config)
         self.continuations = continuations
-
-    def preallocate(self, plan: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def release(self, seq: Any) -> None:
-        pass
-
-    def roll_back(self, seq: Any, end: int) -> None:
-        pass
 
     def propose_batch(self, seqs: Sequence[Any], ks: Sequence[int]) -> list[list[int]]:
         out = []

@@ -156,8 +156,6 @@ class Forward:
                 assert products is not None
                 qkv = s.qkv_f[:n]
                 products.norm_product(x, lw.attn_norm, lw.qkv, lw.qkv_bias, qkv)
-                if adapters is not None:
-                    ops.rms_norm(x, lw.attn_norm, h)
             else:
                 qkv = s.qkv[:n]
                 ops.rms_norm(x, lw.attn_norm, h)

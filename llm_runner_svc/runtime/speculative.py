@@ -77,10 +77,9 @@ class SpecConfig:
                                   f"got {self.ngram_min}..{self.ngram_max}")
 
 
-class NgramProposer:
-    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n from
-    `ngram_max` down to `ngram_min`) and propose the tokens that followed it. Holds no
-    per-request state; shares the interface of drafting.DraftProposer."""
+class StatelessProposer:
+    """A proposer that holds no memory or per-request state: the lifecycle calls of
+    drafting.DraftProposer's interface do nothing."""
 
     def __init__(self, config: SpecConfig) -> None:
         self.config = config
@@ -96,6 +95,11 @@ class NgramProposer:
 
     def roll_back(self, seq: Any, end: int) -> None:
         pass
+
+
+class NgramProposer(StatelessProposer):
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n from
+    `ngram_max` down to `ngram_min`) and propose the tokens that followed it."""
 
     def propose_batch(self, seqs: Sequence[Any], ks: Sequence[int]) -> list[list[int]]:
         """Up to ks[i] tokens to follow seqs[i].known."""
