@@ -6,8 +6,8 @@ n(n+1)/2 pairs) and each result's distance from SDPA's; then the Triton kernel's
 choices (queries per block, keys per tile, warps, stages), fastest first.
 
 With `--after P`, the prompts are short passes after P cached positions (a reused system
-prompt): only the Triton kernel, with its keys split over 1, 8 or 16 programs per block
-(`prefill_splits`) and the combine launch counted in.
+prompt): only the Triton kernel, with its keys split over 1, 8, 16 or 32 programs per block
+(`prefill_splits`), merged by their last program or by a second launch (counted in).
 
 Usage: python benchmarks/bench_attention.py [--shapes qwen2.5-1.5b,qwen2.5-7b]
        [--prompts 512,2048,8192] [--page-size 16] [--no-sweep] [--after 2000]
@@ -127,7 +127,7 @@ def after_prefix(shape: str, n: int, prefix: int, page: int) -> None:
     v_pool = torch.randn_like(k_pool)
     out = torch.empty(n, c.q_dim, device=dev, dtype=torch.bfloat16)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    partials = PrefillPartials(c.num_heads, c.head_dim, sms, dev, rows=16 * n)
+    partials = PrefillPartials(c.num_heads, c.head_dim, sms, dev, rows=32 * n)
     stager = PrefillStager(n, 1, pages, page, pages, dev)
     chunk = PrefillChunk([0] * n, prefix, order, 0)
     ref = None
@@ -135,28 +135,30 @@ def after_prefix(shape: str, n: int, prefix: int, page: int) -> None:
     for block_m in (16, 64):
         lay = stager.stage([chunk], block_m)
         most = partials.part.shape[0] // n
-        for tiles in ((32, 4, 2), (64, 4, 2), (64, 4, 3)):
-            for splits in (s for s in (1, 8, 16) if s <= most):
+        for tiles in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (32, 4, 3)):
+            for splits, merge in ((s, m) for s in (1, 8, 16, 32) if s <= most
+                                  for m in (("self", "launch") if s > 1 else ("-",))):
                 def run(lay: PrefillLayout = lay, block_m: int = block_m,
-                        tiles: Tiles = tiles, splits: int = splits) -> None:
+                        tiles: Tiles = tiles, splits: int = splits, merge: str = merge) -> None:
                     launch_prefill_attention(qkv, k_pool, v_pool, lay.blocks, lay.tables, out,
                                              c.num_heads, c.num_kv_heads, c.head_dim, page,
-                                             block_m, tiles, partials, splits)
+                                             block_m, tiles, partials, splits,
+                                             self_combine=merge != "launch")
 
                 run()
                 got = out.float().clone()
                 ref = got if ref is None else ref
                 rel = float((got - ref).norm() / ref.norm())
                 ms = gpu_paths.event_ms(run, reps=20, rounds=3, warmup=2)
-                timings.append((ms, block_m, tiles, splits, rel))
+                timings.append((ms, block_m, tiles, splits, merge, rel))
     timings.sort()
     own = prefill_splits(n, prefill_block(n), c.num_heads, sms)
     print(f"# {shape}: {n} queries after {prefix} positions; the engine takes block "
-          f"{prefill_block(n)}, {own} splits")
-    print("| queries per block | tiles (keys, warps, stages) | splits | us per layer | "
-          "all layers ms | rel to the first |\n|---:|---|---:|---:|---:|---:|")
-    for ms, block_m, tiles, splits, rel in timings:
-        print(f"| {block_m} | {tiles} | {splits} | {ms * 1000:.1f} | "
+          f"{prefill_block(n)}, {own} splits, merged by their last program")
+    print("| queries per block | tiles (keys, warps, stages) | splits | merged by | us per layer "
+          "| all layers ms | rel to the first |\n|---:|---|---:|---|---:|---:|---:|")
+    for ms, block_m, tiles, splits, merge, rel in timings:
+        print(f"| {block_m} | {tiles} | {splits} | {merge} | {ms * 1000:.1f} | "
               f"{ms * c.num_layers:.2f} | {rel:.1e} |")
 
 

@@ -24,6 +24,8 @@ import os
 import platform
 import pstats
 import random
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -96,7 +98,7 @@ def _median(ms: list[RequestMetrics]) -> RequestMetrics:
 
 
 def ttft(model: Model, engine: Engines, system: int, user: int, profile: bool = False,
-         rounds: int = 1, gpu_profile: bool = False) -> None:
+         rounds: int = 1, gpu_profile: bool = False, timeline: bool = False) -> None:
     """Each round: a new system prompt (cold), then the same system prompt with another
     user turn (reuse), then that prompt again with the lookup bypassed; the table gives
     each request's median round."""
@@ -114,6 +116,9 @@ def ttft(model: Model, engine: Engines, system: int, user: int, profile: bool = 
         second = sys_ids + tokens(model, user, f"Question B{r}")
         if r == rounds - 1 and gpu_profile:
             _gpu_profile(rt, sys_ids + tokens(model, user, f"Question C{r}"))
+        if r == rounds - 1 and timeline:
+            _timeline(rt, [sys_ids + tokens(model, user, f"Question T{r}.{k}")
+                           for k in range(9)])
         call = prof.runcall if prof is not None and r == rounds - 1 else _call
         seen["second"].append(call(run, rt, f"second {r}", second)[0])
         seen["bypass"].append(run(rt, f"bypass {r}", second, lookup=False)[0])
@@ -130,6 +135,54 @@ def ttft(model: Model, engine: Engines, system: int, user: int, profile: bool = 
                     ("second, lookup bypassed", bypass)):
         print(f"| {name} | {m.cached_tokens} | {m.prefilled_tokens} | {m.ttft_ms:.1f} | "
               f"{m.queue_ms:.1f} | {m.ttft_ms / first.ttft_ms:.3f}x |")
+
+
+def _timeline(rt: InferenceRuntime, prompts: Sequence[list[int]]) -> None:
+    """Where a reusing request's time goes, CUDA events beside the host clock: its wait to
+    be scheduled (prefix lookup, pages), the engine's `launch` on the host, the device from
+    the launch's start to its last kernel, and `read` (waiting for the pick); medians over
+    `prompts`."""
+    import torch
+
+    engine: Any = rt.engine
+    launch, read = engine.launch, engine.read
+    marks: dict[str, Any] = {}
+
+    def timed_launch(batch: Any) -> Any:
+        marks["e0"] = torch.cuda.Event(enable_timing=True)
+        marks["e1"] = torch.cuda.Event(enable_timing=True)
+        marks["e0"].record()
+        marks["l0"] = time.perf_counter()
+        out = launch(batch)
+        marks["l1"] = time.perf_counter()
+        marks["e1"].record()
+        return out
+
+    def timed_read(handle: Any) -> Any:
+        marks["r0"] = time.perf_counter()
+        out = read(handle)
+        marks["r1"] = time.perf_counter()
+        return out
+
+    engine.launch, engine.read = timed_launch, timed_read
+    rows: list[dict[str, float]] = []
+    try:
+        for k, prompt in enumerate(prompts):
+            t0 = time.perf_counter()
+            m, _ = run(rt, f"timeline {k}", prompt)
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            rows.append({"ttft": m.ttft_ms, "queue": m.queue_ms,
+                         "to launch": (marks["l0"] - t0) * 1e3,
+                         "launch (host)": (marks["l1"] - marks["l0"]) * 1e3,
+                         "device": marks["e0"].elapsed_time(marks["e1"]),
+                         "launch end to read": (marks["r0"] - marks["l1"]) * 1e3,
+                         "read": (marks["r1"] - marks["r0"]) * 1e3,
+                         "read to caller": (t1 - marks["r1"]) * 1e3})
+    finally:
+        engine.launch, engine.read = launch, read
+    print(f"timeline of {len(rows)} reusing requests, medians, ms: " + ", ".join(
+        f"{k} {statistics.median(r[k] for r in rows):.3f}" for k in rows[0]) + "\n")
 
 
 def _gpu_profile(rt: InferenceRuntime, prompt: list[int]) -> None:
@@ -207,6 +260,8 @@ def main() -> None:
                     help="cold/reuse rounds, the median reported (default 5 on torch, else 1)")
     ap.add_argument("--gpu-profile", action="store_true",
                     help="the GPU kernels of one reusing request (torch.profiler)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="a reusing request's host and device time, step by step (CUDA)")
     args = ap.parse_args()
     if args.engine == "torch":
         options = {k: v for k, v in (("fused_prefill_rows", args.fused_prefill_rows),
@@ -221,7 +276,8 @@ def main() -> None:
                  f", {os.cpu_count()} cores")
     print(f"{where}; system prompt {args.system} tokens, user turn {args.user}\n")
     rounds = args.rounds or (5 if args.engine == "torch" else 1)
-    ttft(model, engine, args.system, args.user, args.profile, rounds, args.gpu_profile)
+    ttft(model, engine, args.system, args.user, args.profile, rounds, args.gpu_profile,
+         args.timeline)
     if args.turns:
         conversation(model, args.turns, args.user, args.answer)
 

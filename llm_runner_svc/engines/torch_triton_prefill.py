@@ -84,16 +84,19 @@ def _tile(acc, m_i, l_i, q, n0, q_pos, end, table, k_pool_ptr, v_pool_ptr, kvh, 
 @triton.jit
 def prefill_attention_kernel(qkv_ptr, qkv_stride, k_pool_ptr, v_pool_ptr, out_ptr, out_stride,
                              blocks_ptr, tables_ptr, table_stride, scale, part_ptr, ml_ptr,
-                             part_rows, GROUP: tl.constexpr, KV_DIM: tl.constexpr,
+                             part_rows, count_ptr, GROUP: tl.constexpr, KV_DIM: tl.constexpr,
                              HD: tl.constexpr, HD_P: tl.constexpr, PAGE: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-                             SPLITS: tl.constexpr):
+                             SPLITS: tl.constexpr, SELF_COMBINE: tl.constexpr):
     """Grid (heads, blocks, SPLITS): the heads of one block run side by side, so the GROUP
     heads that share a kv head read its tiles while they are in L2. `scale` is
     log2(e)/sqrt(hd). With SPLITS > 1, split s folds tiles s, s + SPLITS, ... and leaves
     its unnormalised sums and (max, denominator) per query in the partials (`part_ptr`
-    [SPLITS, part_rows, heads, HD_P], `ml_ptr` [SPLITS, part_rows, heads, 2]) for
-    `combine_kernel`."""
+    [SPLITS, part_rows, heads, HD_P], `ml_ptr` [SPLITS, part_rows, heads, 2]). With
+    SELF_COMBINE, each split then counts itself in (`count_ptr`, one int32 per block and
+    head, zero between launches) and the last of a block's splits to finish merges them
+    into the output and zeroes the count, so the merge costs no launch of its own; without,
+    `combine_kernel` merges them."""
     head = tl.program_id(0)
     blk = tl.program_id(1)
     split = tl.program_id(2)
@@ -136,6 +139,41 @@ def prefill_attention_kernel(qkv_ptr, qkv_stride, k_pool_ptr, v_pool_ptr, out_pt
         tl.store(part_ptr + row[:, None] * HD_P + d[None, :], acc, mask=mmask[:, None])
         tl.store(ml_ptr + row * 2, m_i, mask=mmask)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=mmask)
+        if SELF_COMBINE:
+            tl.debug_barrier()  # every thread's partials are written before the count
+            counter = count_ptr + blk * num_heads + head
+            if tl.atomic_add(counter, 1) == SPLITS - 1:
+                tl.debug_barrier()
+                _merge_splits(part_ptr, ml_ptr, part_rows, (first + m) * num_heads + head,
+                              mmask, d, dmask, out_ptr + (first + m)[:, None] * out_stride
+                              + head * HD + d[None, :], num_heads, HD_P, SPLITS)
+                tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _merge_splits(part_ptr, ml_ptr, part_rows, row0, mmask, d, dmask, out_ptrs, num_heads,
+                  HD_P: tl.constexpr, SPLITS: tl.constexpr):
+    """Merge the SPLITS partials of the queries whose split-0 partial rows are `row0`
+    [BLOCK_M] and write them at `out_ptrs` [BLOCK_M, HD_P]. A split that saw no key left
+    max -inf and denominator 0: it weighs nothing."""
+    m_all = tl.full(row0.shape, float("-inf"), tl.float32)
+    l_all = tl.zeros(row0.shape, tl.float32)
+    acc = tl.zeros([row0.shape[0], HD_P], tl.float32)
+    for sp in range(SPLITS):
+        row = sp * part_rows * num_heads + row0
+        m_s = tl.load(ml_ptr + row * 2, mask=mmask, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(ml_ptr + row * 2 + 1, mask=mmask, other=0.0, cache_modifier=".cg")
+        a_s = tl.load(part_ptr + row[:, None] * HD_P + d[None, :], mask=mmask[:, None],
+                      other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_all, m_s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_all - m_use)
+        w = tl.exp2(m_s - m_use)
+        acc = acc * alpha[:, None] + a_s * w[:, None]
+        l_all = l_all * alpha + l_s * w
+        m_all = m_new
+    res = tl.where(l_all[:, None] > 0, acc / l_all[:, None], 0.0)
+    tl.store(out_ptrs, res.to(out_ptrs.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
 
 
 @triton.jit
@@ -217,10 +255,13 @@ class PrefillPartials:
         rows = max(rows, split_rows(num_heads, num_sms))
         self.part = torch.zeros((rows, num_heads, hd_p), device=device)
         self.ml = torch.zeros((rows, num_heads, 2), device=device)
+        # the self-combining splits' counts: one per block and head (a split pass has at
+        # most SPLIT_TOKENS blocks, one token each), zero between launches
+        self.counts = torch.zeros((SPLIT_TOKENS, num_heads), dtype=torch.int32, device=device)
 
     @property
     def nbytes(self) -> int:
-        return int(self.part.nbytes + self.ml.nbytes)
+        return int(self.part.nbytes + self.ml.nbytes + self.counts.nbytes)
 
 
 def launch_prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -228,13 +269,14 @@ def launch_prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: to
                              num_heads: int, num_kv_heads: int, head_dim: int,
                              page_size: int, block_m: int, tiles: Tiles | None = None,
                              partials: PrefillPartials | None = None,
-                             splits: int | None = None) -> None:
+                             splits: int | None = None, self_combine: bool = True) -> None:
     """out [T, heads * hd] = causal attention of the q heads at the start of qkv rows over
     the pool, per the layout's `blocks` [B, 4] (of `block_m` queries) and `tables`
     [R, pages] (int64). `tiles`: (keys per tile, warps, stages), else `tiles_for`. With
-    `partials`, a short pass splits each block's keys (`prefill_splits`) and a second
-    launch combines the splits; `splits` overrides that choice (at most what `partials`
-    holds rows for)."""
+    `partials`, a short pass splits each block's keys (`prefill_splits`) and the
+    last split of each block to finish combines them (`self_combine`; else a second
+    launch does); `splits` overrides that choice (at most what `partials` holds rows
+    for)."""
     is_f32 = (k_pool.dtype == torch.float32, qkv.dtype == torch.float32)
     mode = IEEE if is_f32[0] else SPLIT if is_f32[1] else BF16
     block_n, warps, stages = tiles or tiles_for(block_m, mode)
@@ -244,13 +286,14 @@ def launch_prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: to
         splits = 1
     elif splits is None:
         splits = prefill_splits(tokens, block_m, num_heads, partials.num_sms)
-    part, ml = (partials.part, partials.ml) if partials is not None else (out, out)
+    part, ml, counts = ((partials.part, partials.ml, partials.counts) if partials is not None
+                        else (out, out, blocks))
     prefill_attention_kernel[(num_heads, blocks.shape[0], splits)](
         qkv, qkv.stride(0), k_pool, v_pool, out, out.stride(0), blocks, tables,
-        tables.stride(0), LOG2E / math.sqrt(head_dim), part, ml, tokens,
+        tables.stride(0), LOG2E / math.sqrt(head_dim), part, ml, tokens, counts,
         GROUP=num_heads // num_kv_heads, KV_DIM=num_kv_heads * head_dim, HD=head_dim,
         HD_P=hd_p, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, MODE=mode,
-        SPLITS=splits, num_warps=warps, num_stages=stages)
-    if splits > 1:
+        SPLITS=splits, SELF_COMBINE=self_combine, num_warps=warps, num_stages=stages)
+    if splits > 1 and not self_combine:
         combine_kernel[(tokens, num_heads)](part, ml, tokens, out, out.stride(0), HD=head_dim,
                                             HD_P=hd_p, SPLITS=splits, num_warps=4)
