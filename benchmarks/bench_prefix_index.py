@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from llm_runner_svc.runtime.prefix_cache import page_name
+from llm_runner_svc.runtime.prefix_cache import packed, page_name
 
 PS = 16
 
@@ -48,10 +48,15 @@ class Index(Protocol):
     def insert(self, tokens: Sequence[int], where: Any) -> None: ...
 
 
+def chain_name(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """`page_name` of a page's ids packed on their own (one struct.pack a page)."""
+    return page_name(parent, packed(tokens))
+
+
 class HashChain:
     """Chained page names -> (page, tokens), as the prefix cache keeps them."""
 
-    def __init__(self, name: Callable[[bytes, Sequence[int]], bytes] = page_name) -> None:
+    def __init__(self, name: Callable[[bytes, Sequence[int]], bytes] = chain_name) -> None:
         self.root = hashlib.blake2b(b"model", digest_size=16).digest()
         self.names: dict[bytes, tuple[int, tuple[int, ...]]] = {}
         self.name = name

@@ -41,7 +41,7 @@ from llm_runner_svc.runtime.kv import PagePool
 @dataclass
 class _Record:
     page: int
-    tokens: tuple[int, ...]
+    tokens: bytes  # the page's token ids, packed (`packed`)
     launch: int  # the launch whose forward writes the page
     hidden: list[HiddenStates] | None = None  # the page's captured states, in order
 
@@ -65,11 +65,16 @@ def media_marks(media: Sequence[EmbedSpan], lo: int, hi: int) -> bytes:
     return out
 
 
-def page_name(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """The chained name of a page holding `tokens`, after the page named `parent`: the ids
-    as little-endian uint32 (one struct.pack; naming is most of a lookup's cost)."""
+def packed(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32, what page names hash and records compare."""
+    return struct.pack(f"<{len(tokens)}I", *tokens)
+
+
+def page_name(parent: bytes, ids: bytes) -> bytes:
+    """The chained name of a page holding the `packed` ids `ids`, after the page named
+    `parent`. A lookup packs its prompt once and names its pages from slices of it."""
     h = hashlib.blake2b(parent, digest_size=16)
-    h.update(struct.pack(f"<{len(tokens)}I", *tokens))
+    h.update(ids)
     return h.digest()
 
 
@@ -107,7 +112,8 @@ class PrefixCache:
         as loaded now (`retire_adapter`)."""
         if adapter == 0:
             return self.root
-        return page_name(self.root + b"lora", (adapter, self._adapter_loads.get(adapter, 0)))
+        return page_name(self.root + b"lora",
+                         packed((adapter, self._adapter_loads.get(adapter, 0))))
 
     def match(self, tokens: Sequence[int], launches: int, hidden: bool = False,
               adapter: int = 0, media: Sequence[EmbedSpan] = ()) -> tuple[list[int], list[bytes]]:
@@ -119,8 +125,10 @@ class PrefixCache:
         pages: list[int] = []
         names: list[bytes] = []
         name = self.adapter_root(adapter)
-        for i in range((len(tokens) - 1) // ps):
-            chunk = tuple(tokens[i * ps:(i + 1) * ps])
+        full = (len(tokens) - 1) // ps
+        ids, width = packed(tokens[:full * ps]), 4 * ps
+        for i in range(full):
+            chunk = ids[i * width:(i + 1) * width]
             marks = media_marks(media, i * ps, (i + 1) * ps) if media else b""
             name = page_name(name + marks, chunk)
             rec = self._names.get(name)
@@ -172,7 +180,7 @@ class PrefixCache:
         parent = names[-1] if names else self.adapter_root(adapter)
         while len(names) < min(upto // ps, len(pages)):
             done = len(names)
-            chunk = tuple(tokens[done * ps:(done + 1) * ps])
+            chunk = packed(tokens[done * ps:(done + 1) * ps])
             marks = media_marks(media, done * ps, (done + 1) * ps) if media else b""
             parent = page_name(parent + marks, chunk)
             page = pages[done]
