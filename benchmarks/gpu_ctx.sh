@@ -3,8 +3,10 @@
 # (.whl/), run the GPU tests of the split prefill attention, then the attention of a short
 # pass after a cached prompt (bench_attention.py --after: splits, tiles, merged by the last
 # split or by a second launch) and the TTFT of a reusing request against a cold one
-# (bench_prefix_cache.py, 7B shape, with the host/device timeline). Logs go to $OUT.
-#   TESTS=0 skips the tests, ATTN=0 the attention sweep, TTFT=0 the TTFT benchmark;
+# (bench_prefix_cache.py, 7B shape, with the host/device timeline); the short-window
+# products against cuBLAS (bench_skinny.py). Logs go to $OUT.
+#   TESTS=0 skips the tests, ATTN=0 the attention sweep, TTFT=0 the TTFT benchmark,
+#   SKINNY=0 the products (SKINNY_ARGS: its arguments);
 #   TTFT_ARGS: more arguments for bench_prefix_cache.py.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
@@ -19,13 +21,17 @@ if [ "${TESTS:-1}" = 1 ]; then
         tests/unit/test_torch_gpu.py -k "split_prefill_keys" 2>&1 | tee "$OUT/ctx_tests.txt"
     rc=${PIPESTATUS[0]}
 fi
-if [ "${ATTN:-1}" = 1 ]; then
-    timeout 120 python3 benchmarks/bench_attention.py --shapes qwen2.5-7b --prompts 50 \
-        --after 2000 2>&1 | tee "$OUT/bench_attention_after.txt"
-fi
 if [ "${TTFT:-1}" = 1 ]; then
     timeout 240 python3 benchmarks/bench_prefix_cache.py --engine torch --shape qwen2.5-7b \
         --rounds 5 --timeline ${TTFT_ARGS:-} 2>&1 | tee "$OUT/bench_prefix_cache.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [ "${ATTN:-1}" = 1 ]; then
+    timeout 120 python3 benchmarks/bench_attention.py --shapes qwen2.5-7b --prompts 50 \
+        --after 2000 2>&1 | tee "$OUT/bench_attention_after.txt"
+fi
+if [ "${SKINNY:-1}" = 1 ]; then
+    timeout 300 python3 benchmarks/bench_skinny.py --shape qwen2.5-7b --rows 50 \
+        ${SKINNY_ARGS:-} 2>&1 | tee "$OUT/bench_skinny.txt"
 fi
 exit $rc
