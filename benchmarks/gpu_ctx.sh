@@ -18,13 +18,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 rc=0
 if [ "${TESTS:-1}" = 1 ]; then
     timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra -rP" \
-        tests/unit/test_torch_gpu.py -k "split_prefill_keys" 2>&1 | tee "$OUT/ctx_tests.txt"
+        tests/unit/test_torch_gpu.py -k "split_prefill_keys or skinny" 2>&1 | tee "$OUT/ctx_tests.txt"
     rc=${PIPESTATUS[0]}
 fi
 if [ "${TTFT:-1}" = 1 ]; then
-    timeout 240 python3 benchmarks/bench_prefix_cache.py --engine torch --shape qwen2.5-7b \
-        --rounds 5 --timeline ${TTFT_ARGS:-} 2>&1 | tee "$OUT/bench_prefix_cache.txt"
-    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    for sk in 1 0; do
+        timeout 200 python3 benchmarks/bench_prefix_cache.py --engine torch \
+            --shape qwen2.5-7b --rounds 5 --timeline --skinny-products $sk ${TTFT_ARGS:-} \
+            2>&1 | tee "$OUT/bench_prefix_cache_skinny$sk.txt"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    done
 fi
 if [ "${ATTN:-1}" = 1 ]; then
     timeout 120 python3 benchmarks/bench_attention.py --shapes qwen2.5-7b --prompts 50 \

@@ -69,8 +69,22 @@ class Forward:
         self._ropes = [Rope(state.cos, state.sin, lw.q_norm, lw.k_norm) for lw in weights.layers]
 
     # ---- products --------------------------------------------------------------------
-    def _accumulate(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> None:
+    def _product(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                 out: torch.Tensor, skinny: bool) -> None:
+        """out [n, out] = a [n, in] @ w[out, in].T (+ bias), in the weights' dtype; on the
+        split-K kernels when `skinny` and they take it (torch_triton_skinny.py)."""
+        if skinny and self.ops.skinny.product(a, w, out, bias):
+            return
+        if bias is not None:
+            torch.addmm(bias, a, w.t(), out=out)
+        else:
+            torch.mm(a, w.t(), out=out)
+
+    def _accumulate(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor,
+                    skinny: bool = False) -> None:
         """x [n, out] float32 += a [n, in] @ w[out, in].T"""
+        if skinny and self.ops.skinny.product(a, w, x, accumulate=True):
+            return
         if a.dtype == torch.float32:
             torch.addmm(x, a, w.t(), out=x)
         elif self.has_f32_products:
@@ -127,16 +141,19 @@ class Forward:
 
     def layers(self, n: int, positions: torch.Tensor, slots: torch.Tensor | None,
                attend: Attend, capture: bool, fused: Callable[[torch.Tensor, int], bool],
-               lora: TorchGroups = (), lora_slots: torch.Tensor | None = None) -> None:
+               lora: TorchGroups = (), lora_slots: torch.Tensor | None = None,
+               skinny: bool = False) -> None:
         """Every decoder layer over residual rows 0..n-1 at `positions` [n] whose k and v
         go to pool rows `slots` [n] int64; None: `attend` rotates q and k and stores k and
         v itself. A fused product takes and leaves float32 activations. LoRA products: by
         `lora`, the rows of each adapter (`TorchLora.groups`), or by `lora_slots`, each
         row's adapter slot [n] int32 on the device (`TorchLora.add_rows`, graph-safe).
         With either, every product runs unfused (cuBLAS), the LoRA terms added to its
-        output."""
+        output. `skinny`: unfused products run on the ops' split-K kernels where they take
+        them (a short prefill window)."""
         s, ops, products = self.s, self.ops, self.products
         adapters = self.lora if (lora or lora_slots is not None) else None
+        skinny = skinny and ops.skinny is not None
 
         def add_lora(li: int, matrix: str, inp: torch.Tensor, out: torch.Tensor) -> None:
             assert adapters is not None
@@ -159,10 +176,7 @@ class Forward:
             else:
                 qkv = s.qkv[:n]
                 ops.rms_norm(x, lw.attn_norm, h)
-                if lw.qkv_bias is not None:
-                    torch.addmm(lw.qkv_bias, h, lw.qkv.t(), out=qkv)
-                else:
-                    torch.mm(h, lw.qkv.t(), out=qkv)
+                self._product(h, lw.qkv, lw.qkv_bias, qkv, skinny)
             if adapters is not None:
                 add_lora(li, "qkv", h, qkv)
             if slots is not None:
@@ -175,7 +189,7 @@ class Forward:
                 assert products is not None
                 products.accumulate(attn, lw.wo, x)
             else:
-                self._accumulate(x, attn, lw.wo)
+                self._accumulate(x, attn, lw.wo, skinny)
             if adapters is not None:
                 add_lora(li, "o", attn, x)
             down_fused = fused(lw.down, ACCUMULATE)
@@ -185,7 +199,7 @@ class Forward:
                 products.norm_gate(x, lw.ffn_norm, lw.gate_up, act)
             else:
                 ops.rms_norm(x, lw.ffn_norm, h)
-                torch.mm(h, lw.gate_up.t(), out=s.gate_up[:n])
+                self._product(h, lw.gate_up, None, s.gate_up[:n], skinny)
                 if adapters is not None:
                     add_lora(li, "gate_up", h, s.gate_up[:n])
                 ops.silu_mul(s.gate_up[:n], act)
@@ -193,7 +207,7 @@ class Forward:
                 assert products is not None
                 products.accumulate(act, lw.down, x)
             else:
-                self._accumulate(x, act, lw.down)
+                self._accumulate(x, act, lw.down, skinny)
             if adapters is not None:
                 add_lora(li, "down", act, x)
             self._stage_state(li + 1, n, capture)
@@ -258,5 +272,5 @@ class Forward:
         self.embed(layout.ids, n, capture)
         self.override(overrides, capture)
         self.layers(n, layout.positions, layout.slots, attend, capture,
-                    self.fuses(n, is_decode=False), lora)
+                    self.fuses(n, is_decode=False), lora, skinny=True)
         s.x_last.index_copy_(0, layout.dest, s.x[:n].index_select(0, layout.last))

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llm_runner_svc.models.spec import ModelConfig
+
 MAX_ROWS = 64  # the most activation rows a product here takes (one row tile)
 MAX_SPLIT = 16
 
@@ -79,6 +81,12 @@ def skinny_kernel(a_ptr, a_stride, w_ptr, bias_ptr, out_ptr, out_stride, part_pt
             _write(total, rm, rn, mmask, nmask, bias_ptr, out_ptr, out_stride, HAS_BIAS,
                    ACCUMULATE)
             tl.atomic_xchg(counter, 0)
+
+
+def layer_shapes(c: ModelConfig) -> list[tuple[int, int]]:
+    """(output columns, K) of a decoder layer's products: q/k/v, o, gate/up, down."""
+    return [(c.q_dim + 2 * c.kv_dim, c.hidden_size), (c.hidden_size, c.q_dim),
+            (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]
 
 
 class Tiling(NamedTuple):
