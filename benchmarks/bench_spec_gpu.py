@@ -6,11 +6,20 @@ For each batch size (every row at position `--prompt`, pages of its own; each st
 and read back, as a speculative step is):
   - decode: one token per row (the captured decode graph);
   - verify: the last token and K proposed ones per row, with the greedy pick at each of the
-    K + 1 positions (a multi-token row through the captured prefill graph of its token
-    bucket, then the head over the K verified positions);
-  - (a) replay: `InferenceRuntime` over the same engine, plain against speculative with a
-    benchmark-only proposer that replays the plain run's greedy continuation (acceptance
-    1.0 where the verify step's argmax agrees with the decode step's); decode tokens/s;
+    K + 1 positions (each row's K + 1 positions as decode rows of one captured decode step,
+    its verify variant: the engine's plan holds verify rows of K tokens);
+  - (a) replay: `InferenceRuntime` over the same engine and plan, plain (every request with
+    `disable_spec_decode`) against speculative with a benchmark-only proposer that replays
+    the target's own greedy continuation under the speculative configuration: a first
+    speculative run whose proposals are never right records it (every step then holds K + 1
+    rows per request, the step the timed run takes; a decode row's numbers depend on its
+    token, position, the keys before it and the step's bucket, not on what the other rows
+    hold), and the timed run proposes what it recorded, so acceptance is 1.0 by
+    construction, but for the last few tokens of a request, whose shorter proposals change
+    the bucket: when acceptance falls short, the next round replays the last run's own
+    output (up to three); the acceptance and rounds are printed. In bf16 this continuation
+    may differ from the plain run's at near-ties of random weights (`same_tokens_as_plain`
+    in the JSON); in float32 the GPU tests show both are the same;
   - (b) draft: a model of the 0.5B shape with the 7B vocabulary proposing for the 7B
     target: its one-token step and its two-token catch-up step (the tokens the last verify
     accepted), so one proposal round of K tokens costs catch-up + (K - 1) steps;
@@ -65,18 +74,23 @@ TINY = ModelConfig(arch="qwen2", vocab_size=512, hidden_size=64, intermediate_si
 
 
 class ReplayProposer(StatelessProposer):
-    """Benchmark only: proposes the tokens a plain greedy run produced next (the target's
-    own continuation), so every proposal the verify step agrees with is accepted."""
+    """Benchmark only: proposes the tokens a recorded greedy run produced next (the
+    target's own continuation), so every proposal the verify step agrees with is accepted;
+    with no recording, K tokens that are (nearly) never right."""
 
-    def __init__(self, config: SpecConfig, continuations: dict[str, list[int]]) -> None:
+    def __init__(self, config: SpecConfig, continuations: dict[str, list[int]],
+                 vocab_size: int) -> None:
         super().__init__(config)
         self.continuations = continuations
+        self.vocab_size = vocab_size
 
     def propose_batch(self, seqs: Sequence[Any], ks: Sequence[int]) -> list[list[int]]:
         out = []
         for seq, k in zip(seqs, ks, strict=True):
             done = len(seq.output_ids)
-            out.append(self.continuations[seq.req.request_id][done:done + k])
+            recorded = self.continuations.get(seq.req.request_id)
+            out.append(recorded[done:done + k] if recorded is not None else
+                       [(seq.known[-1] + 1 + j) % self.vocab_size for j in range(k)])
         return out
 
 
@@ -104,14 +118,15 @@ def rows_at(batch: int, position: int, length: int, verify: int, page_size: int,
             for i in range(batch)]
 
 
-def run_requests(rt: InferenceRuntime, prompts: list[list[int]], steps: int
-                 ) -> tuple[dict[str, list[int]], float, float, float]:
+def run_requests(rt: InferenceRuntime, prompts: list[list[int]], steps: int,
+                 speculate: bool = True) -> tuple[dict[str, list[int]], float, float, float]:
     """Every prompt greedily to `steps` tokens in one batch: the tokens, the decode rate
     (tokens after each request's first over the time from the step where every request had
     its first token), acceptance and tokens per target step (0 when plain)."""
     for i, ids in enumerate(prompts):
         rt.submit(GenerationRequest(f"r{i}", ids, resolve(
-            rt.config.sampling, temperature=0.0, max_new_tokens=steps), ignore_eos=True))
+            rt.config.sampling, temperature=0.0, max_new_tokens=steps), ignore_eos=True,
+            disable_spec_decode=not speculate))
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     metrics = []
     t_first, at_first = 0.0, 0
@@ -133,27 +148,27 @@ def run_requests(rt: InferenceRuntime, prompts: list[list[int]], steps: int
 
 
 def replay(engine: TorchEngine, config: ModelConfig, rt_config: RuntimeConfig, batch: int,
-           prompt: int, steps: int, k: int) -> dict[str, float]:
-    """(a): plain decode, then speculative decode replaying a greedy continuation, same
-    engine. In bf16 a verify step's argmax may differ from the decode step's at a near-tie
-    (its products run another kernel), after which the plain continuation no longer
-    follows the speculative run's text; each further round replays the previous round's own
-    output, up to three, until every proposal is accepted."""
+           prompt: int, steps: int) -> dict[str, float]:
+    """(a): plain decode, then speculative decode replaying the target's own greedy
+    continuation under the speculative configuration (see the module docstring), same
+    engine and plan; each further round replays the previous round's own output, up to
+    three, until every proposal is accepted."""
+    assert rt_config.spec is not None
     model = gpu_paths.random_model("target", config, None)
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, config.vocab_size, (batch, prompt), generator=gen).tolist()
-    plain_rt = InferenceRuntime(engine, model.tokenizer, rt_config)
-    plain_rt.preallocate()  # the engine's plan already: a no-op
-    run_requests(plain_rt, [p[:16] for p in prompts], 4)  # warm-up
-    plain, plain_tps, _, _ = run_requests(plain_rt, prompts, steps)
-    spec = SpecConfig("ngram", k)
-    spec_rt = InferenceRuntime(engine, model.tokenizer, dataclasses.replace(rt_config, spec=spec))
-    spec_rt.preallocate()
-    replayed, rounds = plain, 0
+    rt = InferenceRuntime(engine, model.tokenizer, rt_config)
+    rt.preallocate()  # the engine's plan already: a no-op
+    run_requests(rt, [p[:16] for p in prompts], 4, speculate=False)  # warm-up
+    plain, plain_tps, _, _ = run_requests(rt, prompts, steps, speculate=False)
+    rt.proposer = ReplayProposer(rt_config.spec, {}, config.vocab_size)  # type: ignore
+    replayed = run_requests(rt, prompts, steps)[0]  # the recording run
+    rounds = 0
     while True:
         rounds += 1
-        spec_rt.proposer = ReplayProposer(spec, replayed)  # type: ignore[assignment]
-        got, spec_tps, acceptance, per_step = run_requests(spec_rt, prompts, steps)
+        rt.proposer = ReplayProposer(rt_config.spec, replayed,  # type: ignore[assignment]
+                                     config.vocab_size)
+        got, spec_tps, acceptance, per_step = run_requests(rt, prompts, steps)
         if acceptance == 1.0 or rounds == 3:
             break
         replayed = got
@@ -206,7 +221,10 @@ def main() -> None:
                                        named_shape(args.draft).num_layers,
                                        vocab_size=config.vocab_size)
     k = args.k
-    rt_config = RuntimeConfig(max_batch=max(batches), max_seq=args.prompt + args.steps + 32)
+    # the plan holds verify rows of K tokens: the target captures verify variants of its
+    # decode graph for up to max_batch * (K + 1) rows
+    rt_config = RuntimeConfig(max_batch=max(batches), max_seq=args.prompt + args.steps + 32,
+                              spec=SpecConfig("ngram", k))
     t0 = time.perf_counter()
     target = TorchEngine(config, random_weights(config, device, dtype, seed=0), device=device)
     model = gpu_paths.random_model("target", config, None)
@@ -216,9 +234,10 @@ def main() -> None:
     ps, pages = plan.page_size, plan.num_pages
     draft = TorchEngine(draft_config, random_weights(draft_config, device, dtype, seed=1),
                         device=device)
-    draft.preallocate(plan)
+    draft_plan = dataclasses.replace(plan, verify_tokens=0)  # drafts verify nothing
+    draft.preallocate(draft_plan)
     skip = first_layers(target, max(1, config.num_layers // 4))
-    skip.preallocate(plan)
+    skip.preallocate(draft_plan)
     print(f"# engines built and captured in {time.perf_counter() - t0:.1f} s "
           f"(target {args.target if not args.smoke else 'tiny'}, {config.num_layers} layers; "
           f"draft {draft_config.num_layers} layers; self {skip.config.num_layers} layers)",
@@ -236,7 +255,7 @@ def main() -> None:
                 r.update({f"{name}_{key}": v for key, v in costs.items()})
                 r[f"{name}_speedup_at_1"] = (k + 1) * decode / (verify + costs["round_ms"])
         with failure_noted(r, "replay"):
-            r.update(replay(target, config, rt_config, b, args.prompt, args.steps, k))
+            r.update(replay(target, config, rt_config, b, args.prompt, args.steps))
         if b == batches[0]:  # the verify step's cost by proposal length
             r["verify_ms_by_k"] = {kk: step_ms(target, rows_at(b, args.prompt, kk + 1, kk, ps,
                                                                pages), args.reps)
@@ -266,8 +285,8 @@ def main() -> None:
           f"{results[0]['decode_ms']:.2f} ms): " + ", ".join(
               f"K={kk} {ms:.2f} ms ({ms / results[0]['decode_ms']:.2f}x)"
               for kk, ms in by_k.items()))
-    print("(a) replays the plain run's continuation, or its own when a bf16 near-tie made the "
-          "verify step pick otherwise (replay_rounds, same_tokens_as_plain in the JSON)")
+    print("(a) replays the target's own greedy continuation under speculation, recorded by a "
+          "first speculative run (replay_rounds, same_tokens_as_plain in the JSON)")
     if args.json:
         Path(args.json).write_text(json.dumps({"target": args.target, "draft": args.draft,
                                                "device": str(device), "results": results},

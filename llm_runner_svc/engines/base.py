@@ -52,11 +52,18 @@ class EnginePlan:
     prefill_chunk: int = 256  # the longest stretch of one row in one engine pass
     hidden_layer: int | None = None  # accept_hidden_layer; None = hidden capture disabled
     step_tokens: int = 0  # the runtime's tokens per step; an engine may size one pass to it
+    verify_tokens: int = 0  # spec_decode's K: the most proposed tokens of a verify row
 
     @property
     def max_tokens(self) -> int:
         """Tokens in one engine pass: a step's decode rows, or a prefill chunk."""
         return max(self.max_batch, self.prefill_chunk)
+
+    @property
+    def max_decode_rows(self) -> int:
+        """Positions in a step of decode and verify rows: K + 1 for each verify row (an
+        engine may run each position as a row of its decode step)."""
+        return self.max_batch * (1 + self.verify_tokens)
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,7 @@ class TorchEngine(TorchSteps):
         has_fused = (self.kernels == "triton" and self.dtype == torch.bfloat16
                      and self.fused_rows > 0)
         self.state = allocate_state(
-            c, plan, plan.max_batch, self.device, self.dtype, has_wide_scratch=not has_f32,
+            c, plan, self.device, self.dtype, has_wide_scratch=not has_f32,
             fused_rows=max(self.fused_rows, self.fused_prefill_rows) if has_fused else 0)
         self.prefill_stager = PrefillStager(
             max_tokens=pass_tokens(plan), max_chunks=plan.max_batch,
@@ -174,7 +174,7 @@ class TorchEngine(TorchSteps):
                        if self.device.type == "cuda" else 1)
             ops = TritonOps(c, plan.page_size, num_sms, has_fused, self.split_prefill_keys,
                             self.skinny_products and self.dtype == torch.bfloat16)
-            self._bytes += ops.reserve(plan.max_batch, plan.max_seq, self.device)
+            self._bytes += ops.reserve(plan.max_decode_rows, plan.max_seq, self.device)
         self.forward = Forward(c, self.weights, ops, self.state, plan.hidden_layer,
                                plan.page_size, has_f32, self.fused_rows,
                                self.fused_prefill_rows, self.lora)
@@ -185,7 +185,8 @@ class TorchEngine(TorchSteps):
         if self.device.type == "cuda" and self.kernels == "triton":
             with torch.cuda.device(self.device):
                 self.graphs = DecodeGraphs(self.forward, self.state, plan.max_batch,
-                                           capture_hidden=plan.hidden_layer is not None)
+                                           capture_hidden=plan.hidden_layer is not None,
+                                           verify_tokens=plan.verify_tokens)
                 self.graphs.capture()
                 buckets = prefill_buckets(self.prefill_stager.max_tokens,
                                           self.prefill_graph_tokens)
@@ -194,7 +195,8 @@ class TorchEngine(TorchSteps):
                         self.forward, self.prefill_stager, buckets,
                         capture_hidden=plan.hidden_layer is not None, pad_dest=plan.max_batch)
                     self.prefill_graphs.capture()
-        self.picks = Picks(self.state.logits, self.state.next_ids, pass_tokens(plan))
+        self.picks = Picks(self.state.logits, self.state.next_ids,
+                           max(pass_tokens(plan), plan.max_decode_rows))
         self._bytes += self.picks.nbytes
         self._last_sampled: tuple[bool, ...] = ()  # which rows of the last forward picked
 

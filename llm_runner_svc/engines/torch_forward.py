@@ -241,18 +241,31 @@ class Forward:
 
     def decode(self, batch: int, ids: torch.Tensor, positions: torch.Tensor,
                tables: torch.Tensor, capture: bool,
-               lora: TorchGroups = (), lora_slots: torch.Tensor | None = None) -> None:
+               lora: TorchGroups = (), lora_slots: torch.Tensor | None = None,
+               stores_first: bool = False) -> None:
         """One decode step of `batch` rows, then their greedy picks (the graph body, with
-        no `lora` groups; `lora_slots`: each row's adapter slot, see `layers`)."""
+        no `lora` groups; `lora_slots`: each row's adapter slot, see `layers`).
+        `stores_first`: rows may be one sequence's consecutive positions (a verify row run
+        as decode rows), each attending to the keys of the rows before it, so every row's
+        k and v reach the pool before any row attends: with ops whose decode attention
+        stores them (`ropes_in_decode_attention`) a launch of its own stores them first and
+        the attention only reads (its programs run in no set order, so a row could read
+        another's slot before that row's program wrote it); with the reference ops
+        `rope_store` runs before the attention anyway."""
         s = self.s
+        ropes_inside = self.ops.ropes_in_decode_attention
+        early = stores_first and ropes_inside
+        kv_slots = pool_slots(positions, tables, self.page_size) if early else None
 
         def attend(li: int, qkv: torch.Tensor, out: torch.Tensor) -> None:
+            if kv_slots is not None:
+                self.ops.store_kv(qkv, positions, kv_slots, s.k_pool[li], s.v_pool[li],
+                                  self._ropes[li])
             self.ops.decode_attention(qkv, s.k_pool[li], s.v_pool[li], positions, tables, out,
-                                      self._ropes[li])
+                                      self._ropes[li], stores_kv=not early)
 
         fused = self.fuses(batch, is_decode=True)
-        slots = (None if self.ops.ropes_in_decode_attention
-                 else pool_slots(positions, tables, self.page_size))
+        slots = None if ropes_inside else pool_slots(positions, tables, self.page_size)
         self.embed(ids, batch, capture)
         self.layers(batch, positions, slots, attend, capture, fused, lora, lora_slots)
         self.head(s.x[:batch], fused)

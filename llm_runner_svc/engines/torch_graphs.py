@@ -7,7 +7,13 @@ request's page list is emptied and refilled in place when it is preempted). `Dec
 captures one decode step per batch-size bucket, and on an engine whose LoRA adapters run per
 row a second per bucket whose products add each row's adapter (its slot read from the packed
 inputs; torch_lora.py), replayed when a row names one; a batch runs in the smallest bucket
-that holds it, its padding rows aimed at the scratch page, on the base model.
+that holds it, its padding rows aimed at the scratch page, on the base model. When the plan
+holds verify rows (speculative decoding: `EnginePlan.max_decode_rows` above `max_batch`) it
+also captures a *verify variant* per bucket of two rows and more, up to `max_decode_rows`
+(`verify_buckets`):
+the same step, but each layer stores every row's k and v before any row attends
+(`Forward.decode(stores_first=True)`), so that rows of one sequence at consecutive positions
+(a verify row's K + 1 tokens) each see the keys of the rows before it.
 `PrefillGraphs` does the same for prefill forwards of up to a few hundred tokens, padded to a
 bucket of token counts.
 """
@@ -29,6 +35,17 @@ def bucket_sizes(max_batch: int) -> list[int]:
     """Powers of two below max_batch, and max_batch itself."""
     sizes = [1 << i for i in range(max_batch.bit_length()) if (1 << i) < max_batch]
     return [*sizes, max_batch]
+
+
+def verify_buckets(max_batch: int, verify_tokens: int) -> list[int]:
+    """Row counts of the verify variants for verify rows of up to `verify_tokens` = K
+    proposed tokens: the decode buckets of two rows and more, and each decode bucket's
+    rows times K + 1 (a step where every row verifies K tokens fills one exactly), up to
+    `max_batch * (K + 1)`; none when K is 0."""
+    if verify_tokens <= 0:
+        return []
+    sizes = bucket_sizes(max_batch)
+    return sorted({b for b in sizes if b >= 2} | {b * (verify_tokens + 1) for b in sizes})
 
 
 class InputStager:
@@ -80,30 +97,43 @@ class InputStager:
             self._copied.record()
 
 
+Variant = tuple[bool, bool]  # (with LoRA products, stores every k and v first)
+
+
 class DecodeGraphs:
     """One captured decode step per bucket (and per bucket with LoRA products, when the
-    forward's adapters run per row); `capture_hidden` fixes whether the graphs stage hidden
-    states (they do whenever the plan has a hidden layer)."""
+    forward's adapters run per row; and a verify variant per `verify_buckets` bucket, on
+    the base model); `capture_hidden` fixes whether the graphs stage hidden states (they
+    do whenever the plan has a hidden layer)."""
 
     def __init__(self, forward: Forward, state: RunState, max_batch: int,
-                 capture_hidden: bool) -> None:
+                 capture_hidden: bool, verify_tokens: int = 0) -> None:
         self.buckets = bucket_sizes(max_batch)
+        self.verify_buckets = verify_buckets(max_batch, verify_tokens)
         self._forward = forward
         self._state = state
         self._capture_hidden = capture_hidden
         lora = forward.lora
         self.has_lora = lora is not None and lora.is_per_row  # adapter rows may replay
-        self._variants = (False, True) if self.has_lora else (False,)
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._variants: list[tuple[int, Variant]] = [
+            (b, (with_lora, False)) for b in self.buckets
+            for with_lora in ((False, True) if self.has_lora else (False,))]
+        self._variants += [(b, (False, True)) for b in self.verify_buckets]
+        self._graphs: dict[tuple[int, Variant], torch.cuda.CUDAGraph] = {}
 
     def bucket_for(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
 
-    def _body(self, bucket: int, with_lora: bool) -> None:
+    def verify_bucket_for(self, rows: int) -> int | None:
+        """The verify variant's bucket for a step of `rows` decode rows; None: too many."""
+        return next((b for b in self.verify_buckets if b >= rows), None)
+
+    def _body(self, bucket: int, variant: Variant) -> None:
+        with_lora, stores_first = variant
         ids, positions, tables = decode_views(self._state, bucket)
         slots = decode_adapters(self._state, bucket) if with_lora else None
         self._forward.decode(bucket, ids, positions, tables, self._capture_hidden,
-                             lora_slots=slots)
+                             lora_slots=slots, stores_first=stores_first)
 
     def capture(self) -> None:
         """Warm every bucket up (kernel compilation, library handles) on a side stream, then
@@ -111,22 +141,21 @@ class DecodeGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for bucket in self.buckets:
-                for with_lora in self._variants:
-                    self._body(bucket, with_lora)
+            for bucket, variant in self._variants:
+                self._body(bucket, variant)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         pool = torch.cuda.graph_pool_handle()
-        for bucket in reversed(self.buckets):
-            for with_lora in self._variants:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._body(bucket, with_lora)
-                self._graphs[bucket, with_lora] = graph
+        for bucket, variant in sorted(self._variants, key=lambda v: -v[0]):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._body(bucket, variant)
+            self._graphs[bucket, variant] = graph
         torch.cuda.synchronize()
 
-    def replay(self, bucket: int, with_lora: bool = False) -> None:
-        self._graphs[bucket, with_lora].replay()
+    def replay(self, bucket: int, with_lora: bool = False, stores_first: bool = False
+               ) -> None:
+        self._graphs[bucket, (with_lora, stores_first)].replay()
 
     def close(self) -> None:
         self._graphs.clear()

@@ -92,30 +92,49 @@ class TorchOps:
         n = qkv.shape[0]
         heads = c.num_heads + c.num_kv_heads
         qk = qkv[:, :c.q_dim + c.kv_dim].view(n, heads, c.head_dim)
-        x = qk.float()
-        if q_norm is not None and k_norm is not None:
+        norm = (torch.cat([q_norm.expand(c.num_heads, -1), k_norm.expand(c.num_kv_heads, -1)])
+                if q_norm is not None and k_norm is not None else None)
+        qk.copy_(self._rotated(qk.float(), positions, cos, sin, norm))
+        k_pool.index_copy_(0, slots, qkv[:, c.q_dim:c.q_dim + c.kv_dim])
+        v_pool.index_copy_(0, slots, qkv[:, c.q_dim + c.kv_dim:])
+
+    def store_kv(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 k_pool: torch.Tensor, v_pool: torch.Tensor, rope: Rope) -> None:
+        """`rope_store`'s k and v only: the k of qkv [n, q + 2 kv] normalized (q/k norm
+        models) and rotated into k_pool rows slots [n] (int64), the v into v_pool; qkv is
+        left as it is (a decode attention that rotates q itself reads it)."""
+        c = self.config
+        n = qkv.shape[0]
+        k = qkv[:, c.q_dim:c.q_dim + c.kv_dim].view(n, c.num_kv_heads, c.head_dim).float()
+        norm = rope.k_norm.expand(c.num_kv_heads, -1) if rope.k_norm is not None else None
+        rotated = self._rotated(k, positions, rope.cos, rope.sin, norm)
+        k_pool.index_copy_(0, slots, rotated.reshape(n, c.kv_dim).to(k_pool.dtype))
+        v_pool.index_copy_(0, slots, qkv[:, c.q_dim + c.kv_dim:])
+
+    def _rotated(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        """Heads x [n, heads, head_dim] float32 at positions [n], RMS-normalized per head by
+        `norm` [heads, head_dim] first when given, then rotated."""
+        c = self.config
+        if norm is not None:
             inv = torch.rsqrt(x.square().mean(-1, keepdim=True) + c.rms_eps)
-            w = torch.cat([q_norm.expand(c.num_heads, -1), k_norm.expand(c.num_kv_heads, -1)])
-            x = x * inv * w
+            x = x * inv * norm
         cs, sn = cos[positions][:, None, :], sin[positions][:, None, :]  # [n, 1, hd/2]
         half = c.head_dim // 2
         if c.rope_style is RopeStyle.INTERLEAVED:
             a, b = x[..., 0::2], x[..., 1::2]
-            rotated = torch.stack([a * cs - b * sn, b * cs + a * sn], dim=-1).flatten(-2)
-        else:
-            a, b = x[..., :half], x[..., half:]
-            rotated = torch.cat([a * cs - b * sn, b * cs + a * sn], dim=-1)
-        qk.copy_(rotated)
-        k_pool.index_copy_(0, slots, qkv[:, c.q_dim:c.q_dim + c.kv_dim])
-        v_pool.index_copy_(0, slots, qkv[:, c.q_dim + c.kv_dim:])
+            return torch.stack([a * cs - b * sn, b * cs + a * sn], dim=-1).flatten(-2)
+        a, b = x[..., :half], x[..., half:]
+        return torch.cat([a * cs - b * sn, b * cs + a * sn], dim=-1)
 
     def decode_attention(self, qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          positions: torch.Tensor, tables: torch.Tensor, out: torch.Tensor,
-                         rope: Rope) -> None:
+                         rope: Rope, stores_kv: bool = True) -> None:
         """One query per row over that row's positions 0..pos, read page by page.
-        qkv [b, q + 2 kv], positions [b], tables [b, pages], out [b, q_dim]. `rope` serves
-        implementations that rotate and store the new k and v themselves
-        (`ropes_in_decode_attention`); here `rope_store` has done both."""
+        qkv [b, q + 2 kv], positions [b], tables [b, pages], out [b, q_dim]. `rope` and
+        `stores_kv` serve implementations that rotate q and k and store the new k and v
+        themselves (`ropes_in_decode_attention`; `stores_kv` False: `store_kv` has stored
+        them); here `rope_store` has done both."""
         c, ps = self.config, self.page_size
         b = qkv.shape[0]
         num_pages = int(positions.max()) // ps + 1

@@ -1,9 +1,11 @@
 """The torch engine's mutable run state: every buffer a forward touches, claimed once.
 
 `rows` is the most positions one forward carries (`pass_tokens`: a step's decode rows and
-prefill chunks together). The KV pool has one page more than the plan: padding rows of a
-captured batch size read and write that scratch page, never a request's. The fused products' float32
-activations are needed only by forwards of up to `fused_rows` rows.
+prefill chunks together; at least `EnginePlan.max_decode_rows`: a step whose verify rows run
+as decode rows, K + 1 per row). The decode inputs, logits and picks have a row per decode
+row. The KV pool has one page more than the plan: padding rows of a captured batch size read
+and write that scratch page, never a request's. The fused products' float32 activations are
+needed only by forwards of up to `fused_rows` rows.
 """
 
 from __future__ import annotations
@@ -30,19 +32,19 @@ class RunState:
     act_f: torch.Tensor  # [rows, ffn] float32           | forward has no fused products)
     k_pool: torch.Tensor  # [layers, (pages + 1) * page_size, kv_dim]
     v_pool: torch.Tensor  # [layers, (pages + 1) * page_size, kv_dim]
-    logits: torch.Tensor  # [max_batch, vocab] float32
-    next_ids: torch.Tensor  # [max_batch] int64 greedy picks
+    logits: torch.Tensor  # [decode_rows, vocab] float32
+    next_ids: torch.Tensor  # [decode_rows] int64 greedy picks
     cap_emb: torch.Tensor  # [rows, hidden] float32 staged layer-0 states
     cap_state: torch.Tensor  # [rows, hidden] float32 staged states of the hidden layer
     cos: torch.Tensor  # [max_seq, head_dim / 2] float32
     sin: torch.Tensor  # [max_seq, head_dim / 2] float32
     arange: torch.Tensor  # [max_seq] int32 positions of a prefill window
-    inputs: torch.Tensor  # [batch * (3 + pages_per_seq)] int32: ids | positions | LoRA
+    inputs: torch.Tensor  # [decode_rows * (3 + pages_per_seq)] int32: ids | positions | LoRA
     #                       adapter slots | tables
     x_last: torch.Tensor  # [max_batch + 1, hidden] float32 residual rows of prefill chunks'
     #                       last tokens by batch row; the extra row takes chunks whose row
     #                       goes on in a later pass
-    wide: torch.Tensor  # [max(rows * hidden, max_batch * vocab)] product scratch, when needed
+    wide: torch.Tensor  # [max(rows * hidden, decode_rows * vocab)] product scratch, if needed
 
     @property
     def nbytes(self) -> int:
@@ -73,10 +75,11 @@ def decode_adapters(state: RunState, batch: int) -> torch.Tensor:
     return state.inputs[2 * batch:3 * batch]
 
 
-def allocate_state(config: ModelConfig, plan: EnginePlan, max_batch: int, device: torch.device,
+def allocate_state(config: ModelConfig, plan: EnginePlan, device: torch.device,
                    dtype: torch.dtype, has_wide_scratch: bool, fused_rows: int) -> RunState:
     c = config
-    rows = pass_tokens(plan)
+    max_batch, decode_rows = plan.max_batch, plan.max_decode_rows
+    rows = max(pass_tokens(plan), decode_rows)
     pages_per_seq = -(-plan.max_seq // plan.page_size)
     pool_rows = (plan.num_pages + 1) * plan.page_size
     cos, sin = rope_tables(plan.max_seq, c.head_dim, c.rope_theta, device)
@@ -90,9 +93,9 @@ def allocate_state(config: ModelConfig, plan: EnginePlan, max_batch: int, device
         return torch.zeros(shape, device=device, dtype=torch.float32)
 
     scratch = plan.num_pages  # page id of the scratch page
-    inputs = torch.full((max_batch * (3 + pages_per_seq),), scratch, dtype=torch.int32,
+    inputs = torch.full((decode_rows * (3 + pages_per_seq),), scratch, dtype=torch.int32,
                         device=device)
-    inputs[:3 * max_batch] = 0
+    inputs[:3 * decode_rows] = 0
     return RunState(
         x=f32(rows, c.hidden_size), h=act(rows, c.hidden_size),
         qkv=act(rows, c.q_dim + 2 * c.kv_dim), attn=act(rows, c.q_dim),
@@ -101,11 +104,11 @@ def allocate_state(config: ModelConfig, plan: EnginePlan, max_batch: int, device
         act_f=f32(f_rows, c.intermediate_size),
         k_pool=act(c.num_layers, pool_rows, c.kv_dim), v_pool=act(c.num_layers, pool_rows,
                                                                   c.kv_dim),
-        logits=f32(max_batch, c.vocab_size),
-        next_ids=torch.zeros(max_batch, dtype=torch.int64, device=device),
+        logits=f32(decode_rows, c.vocab_size),
+        next_ids=torch.zeros(decode_rows, dtype=torch.int64, device=device),
         cap_emb=f32(cap_rows, c.hidden_size), cap_state=f32(cap_rows, c.hidden_size),
         cos=cos, sin=sin,
         arange=torch.arange(plan.max_seq, dtype=torch.int32, device=device),
         inputs=inputs, x_last=f32(max_batch + 1, c.hidden_size),
-        wide=act(max(rows * c.hidden_size, max_batch * c.vocab_size) if has_wide_scratch
+        wide=act(max(rows * c.hidden_size, decode_rows * c.vocab_size) if has_wide_scratch
                  else 0))

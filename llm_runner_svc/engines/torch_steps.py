@@ -9,11 +9,19 @@ passes, eager otherwise); each prefill row's last residual goes to its batch row
 and one head gives their logits. A step's one host synchronisation is the copy of its picks,
 made in `read` after the next step is launched (torch_picks.py).
 
-A verify row (speculative decoding: the last accepted token and K proposed ones) runs with
-the prefill rows, from a captured prefill graph for a short pass on CUDA; right after its
-pass the head turns the residuals of its K positions before the last into logits, greedy
-rows take their argmax on the device (copied out in `read`), sampled ones are picked on the
-host by the rejection rule (numpy_sampling.py `verify_picks`).
+A verify row (speculative decoding: the last accepted token and K proposed ones) runs as K + 1
+decode rows of its sequence, at positions p .. p + K on its page table, when the step holds
+no prefill chunk (`_verify_as_decodes`): the whole step is one decode step (on CUDA the
+captured verify variant of the smallest bucket that holds its rows, torch_graphs.py), whose
+decode attention lets row j see positions up to p + j, and whose head and argmax give the
+logits and greedy pick after every position. Its rows are laid out so that rows 0 .. n-1 are
+the batch rows' last positions (their logits and picks where every step leaves them) and the
+verify rows' first K positions follow. Otherwise (a prefill chunk in the step, LoRA rows on
+CUDA, more rows than the largest bucket) verify rows run with the prefill rows, from a
+captured prefill graph for a short pass on CUDA, and right after its pass the head turns the
+residuals of its K positions before the last into logits. Either way greedy rows take their
+argmax on the device (copied out in `read`), sampled ones are picked on the host by the
+rejection rule (numpy_sampling.py `verify_picks`).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from llm_runner_svc.engines.base import (
     check_batch,
     check_reserve,
 )
-from llm_runner_svc.engines.batch import Batch, Pass, Row, StepOutput, split_passes
+from llm_runner_svc.engines.batch import MAX_VERIFY, Batch, Pass, Row, StepOutput, split_passes
 from llm_runner_svc.engines.batched import CapturedStates
 from llm_runner_svc.engines.numpy_sampling import verify_picks
 from llm_runner_svc.engines.torch_forward import Forward
@@ -58,7 +66,8 @@ class Launched:
     sampled: tuple[bool, ...]
     hidden: list[HiddenStates | None]
     verified: list[list[int] | None]  # per row: picks of its verify positions, when known
-    on_device: tuple[tuple[int, int], ...] = ()  # (row, K): greedy picks in `verify_ids`
+    on_device: tuple[tuple[int, int, int], ...] = ()  # (row, offset, K): greedy picks at
+    #                                                   `verify_ids.view(-1)[offset:]`
 
 
 def _token(row: Row, i: int) -> int:
@@ -141,16 +150,24 @@ class TorchSteps(Engine):
         d = next((i for i, r in enumerate(rows) if r.length > 1), n)  # leading decodes
         if d < n and self.mixed_steps == "joined":
             d = 0
-        decodes = rows[:d]
         hidden: list[HiddenStates | None] = [None] * n
         self._verified: list[list[int] | None] = [None] * n
-        self._on_device: list[tuple[int, int]] = []
+        self._on_device: list[tuple[int, int, int]] = []
         self._headed: set[int] = set()  # batch rows whose logits a verify head wrote
-        bucket = self._stage_decode(decodes, feeds) if d else 0
-        if d < n:  # before the decode: its picks overwrite those this part may feed on
-            hidden[d:] = self._prefill(rows[d:], d, feeds)
-        if d:
-            hidden[:d] = self._decode(decodes, bucket)
+        verify_bucket = self._verify_as_decodes(rows, plan) if d < n else None
+        if verify_bucket is not None:
+            self._verify_decodes(rows, verify_bucket, feeds)
+            d = n
+        else:
+            decodes = [DecodeRow(_token(r, 0), r.start, r.pages, r.capture_hidden, r.adapter)
+                       for r in rows[:d]]
+            bucket = self.graphs.bucket_for(d) if self.graphs is not None else d
+            if d:
+                self._stage_decode(decodes, bucket, feeds)
+            if d < n:  # before the decode: its picks overwrite those this part may feed on
+                hidden[d:] = self._prefill(rows[d:], d, feeds)
+            if d:
+                hidden[:d] = self._decode(decodes, bucket)
         if d < n and not self._headed.issuperset(range(d, n)):  # (verify rows: headed)
             self.forward.head(self.state.x_last[d:n], self.forward.fuses(n - d, False), d)
         specs = [r.sample or _PLACEHOLDER for r in rows]
@@ -162,45 +179,92 @@ class TorchSteps(Engine):
         picks = self.picks.wait(handle.picks)
         verified = list(handle.verified)
         if handle.on_device:  # the speculative step's read is waited for anyway
-            ids = self.picks.verify_ids.cpu().tolist()
-            for i, k in handle.on_device:
-                verified[i] = ids[i][:k]
+            hi = max(off + k for _, off, k in handle.on_device)
+            ids = self.picks.verify_ids.view(-1)[:hi].cpu().tolist()
+            for i, off, k in handle.on_device:
+                verified[i] = ids[off:off + k]
         return StepOutput([p if wanted else None
                            for p, wanted in zip(picks, handle.sampled, strict=True)],
                           handle.hidden, verified)
 
-    def _stage_decode(self, rows: Sequence[Row], feeds: bool) -> int:
-        """Stage one-token rows for the decode step; returns its bucket."""
-        b = len(rows)
-        bucket = self.graphs.bucket_for(b) if self.graphs is not None else b
-        self.stager.stage([DecodeRow(_token(r, 0), r.start, r.pages, adapter=r.adapter)
-                           for r in rows], bucket)
+    def _stage_decode(self, rows: Sequence[DecodeRow], bucket: int, feeds: bool) -> None:
+        """Stage one-token rows for a decode step of `bucket` rows."""
+        self.stager.stage(rows, bucket)
         if feeds:
-            self.picks.feed(self.state.inputs[:b])
-        return bucket
+            self.picks.feed(self.state.inputs[:len(rows)])
 
-    def _decode(self, rows: Sequence[Row], bucket: int) -> list[HiddenStates | None]:
-        """The staged decode step: logits rows and greedy picks 0 .. len(rows)-1."""
+    def _decode(self, rows: Sequence[DecodeRow], bucket: int, stores_first: bool = False
+                ) -> list[HiddenStates | None]:
+        """The staged decode step: logits rows and greedy picks 0 .. len(rows)-1
+        (`stores_first`: see `Forward.decode`)."""
         plan, s = self._need_plan(), self.state
         b = len(rows)
         capture = plan.hidden_layer is not None and any(r.capture_hidden for r in rows)
         has_lora = any(r.adapter for r in rows)
         per_row = has_lora and self.forward.lora is not None and self.forward.lora.is_per_row
         if self.graphs is not None and (per_row or not has_lora):
-            self.graphs.replay(bucket, with_lora=per_row)
+            self.graphs.replay(bucket, with_lora=per_row, stores_first=stores_first)
         else:  # on the CPU, or adapters run grouped: eagerly
             ids, positions, tables = decode_views(s, b)
             if per_row:
                 self.forward.decode(b, ids, positions, tables, capture,
-                                    lora_slots=decode_adapters(s, b))
+                                    lora_slots=decode_adapters(s, b),
+                                    stores_first=stores_first)
             else:
                 self.forward.decode(b, ids, positions, tables, capture,
-                                    self._lora_groups(rows, [1] * b))
+                                    self._lora_groups([r.adapter for r in rows], [1] * b),
+                                    stores_first=stores_first)
         if not capture:
             return [None] * b
         emb, states = _host_copy(s.cap_emb[:b]), _host_copy(s.cap_state[:b])
-        return [HiddenStates(emb[i:i + 1], states[i:i + 1], r.start)
+        return [HiddenStates(emb[i:i + 1], states[i:i + 1], r.position)
                 if r.capture_hidden else None for i, r in enumerate(rows)]
+
+    def _verify_as_decodes(self, rows: Sequence[Row], plan: EnginePlan) -> int | None:
+        """The bucket in which a step of verify rows and one-token rows runs as one decode
+        step (K + 1 rows per verify row); None when it runs with prefill passes instead: a
+        row that is neither (a prefill chunk), a row capturing hidden states or reading
+        input embeddings, adapter rows where the verify variants hold no LoRA products
+        (CUDA), more rows than the largest verify bucket (CUDA) or than the decode buffers
+        (`EnginePlan.max_decode_rows`)."""
+        total = 0
+        for r in rows:
+            if r.length > 1 and (r.length != r.verify + 1 or r.capture_hidden
+                                 or any(e.end > r.start for e in r.embeds)):
+                return None
+            if self.graphs is not None and r.adapter:
+                return None
+            total += r.length
+        if self.graphs is not None:
+            return self.graphs.verify_bucket_for(total)
+        return total if total <= plan.max_decode_rows else None
+
+    def _verify_decodes(self, rows: Sequence[Row], bucket: int, feeds: bool) -> None:
+        """Every row of the step as decode rows, in one decode step of `bucket` rows: first
+        each row's last position (so logits and picks rows 0 .. n-1 are the batch rows'),
+        then the K positions before it of each verify row, in row order. Greedy verify picks
+        are copied to `verify_ids` before a later step can overwrite `next_ids`."""
+        n = len(rows)
+        drows = [DecodeRow(_token(r, r.length - 1), r.end - 1, r.pages, adapter=r.adapter)
+                 for r in rows]
+        for r in rows:
+            drows += [DecodeRow(r.tokens[j], r.start + j, r.pages, adapter=r.adapter)
+                      for j in range(r.verify)]
+        self._stage_decode(drows, bucket, feeds)
+        self._decode(drows, bucket, stores_first=True)
+        s, offset = self.state, 0  # offset: of the row's K positions, after row n-1
+        for i, r in enumerate(rows):
+            k = r.verify
+            if k and r.sample is not None:
+                if r.sample.is_greedy:
+                    self._on_device.append((i, offset, k))
+                else:
+                    self._verified[i] = verify_picks(
+                        _host_copy(s.logits[n + offset:n + offset + k]), r.verify_samples,
+                        r.tokens[1:])
+            offset += k
+        if self._on_device:
+            self.picks.verify_ids.view(-1)[:offset].copy_(s.next_ids[n:n + offset])
 
     def _prefill(self, rows: Sequence[Row], first: int, feeds: bool
                  ) -> list[HiddenStates | None]:
@@ -216,7 +280,7 @@ class TorchSteps(Engine):
                                    first + seg.row if seg.is_last else plan.max_batch)
                       for seg in p.segments]
             stager.check(chunks, plan.max_seq)
-            lora = self._lora_groups([rows[seg.row] for seg in p.segments],
+            lora = self._lora_groups([rows[seg.row].adapter for seg in p.segments],
                                      [len(seg.tokens) for seg in p.segments])
             overrides = [(seg.offset + k, values) for seg in p.segments
                          for k, values in seg.overrides()]
@@ -258,15 +322,15 @@ class TorchSteps(Engine):
             logits = every[:k]
             if row.sample.is_greedy:
                 torch.argmax(logits, dim=-1, out=self.picks.verify_ids[first + seg.row, :k])
-                self._on_device.append((first + seg.row, k))
+                self._on_device.append((first + seg.row, (first + seg.row) * MAX_VERIFY, k))
             else:
                 self._verified[first + seg.row] = verify_picks(
                     _host_copy(logits), row.verify_samples, row.tokens[1:])
 
-    def _lora_groups(self, rows: Sequence[Row], lengths: Sequence[int]) -> TorchGroups:
-        """A forward's rows by LoRA adapter: `rows` (one per stretch of `lengths`)."""
+    def _lora_groups(self, adapters: Sequence[int], lengths: Sequence[int]) -> TorchGroups:
+        """A forward's rows by LoRA adapter: `adapters` (one per stretch of `lengths`)."""
         lora = self.forward.lora
-        return lora.groups([r.adapter for r in rows], lengths) if lora is not None else []
+        return lora.groups(adapters, lengths) if lora is not None else []
 
     def sample(self, specs: Sequence[SampleSpec]) -> list[int]:
         self._need_plan()

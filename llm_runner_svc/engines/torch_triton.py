@@ -106,15 +106,28 @@ class TritonOps(TorchOps):
                    cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
                    v_pool: torch.Tensor, q_norm: torch.Tensor | None,
                    k_norm: torch.Tensor | None) -> None:
+        self._rope_store(qkv, positions, slots, k_pool, v_pool, Rope(cos, sin, q_norm, k_norm),
+                         first_head=0)
+
+    def store_kv(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 k_pool: torch.Tensor, v_pool: torch.Tensor, rope: Rope) -> None:
+        self._rope_store(qkv, positions, slots, k_pool, v_pool, rope,
+                         first_head=self.config.num_heads)
+
+    def _rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    k_pool: torch.Tensor, v_pool: torch.Tensor, rope: Rope,
+                    first_head: int) -> None:
+        """The heads from `first_head` on (0: q, k and v; num_heads: k and v only)."""
         c = self.config
         n = qkv.shape[0]
-        has_norm = q_norm is not None and k_norm is not None
-        rope_store_kernel[(n, c.num_heads + c.num_kv_heads)](
-            qkv, qkv.stride(0), positions, slots, cos, sin, k_pool, v_pool,
-            q_norm if has_norm else cos, k_norm if has_norm else cos, c.rms_eps,
-            NUM_HEADS=c.num_heads, NUM_KV=c.num_kv_heads, HD=c.head_dim, HD_P=self._hd_p,
-            HALF=c.head_dim // 2, INTERLEAVED=c.rope_style is RopeStyle.INTERLEAVED,
-            HAS_QK_NORM=has_norm, num_warps=1)
+        has_norm = rope.q_norm is not None and rope.k_norm is not None
+        rope_store_kernel[(n, c.num_heads + c.num_kv_heads - first_head)](
+            qkv, qkv.stride(0), positions, slots, rope.cos, rope.sin, k_pool, v_pool,
+            rope.q_norm if has_norm else rope.cos, rope.k_norm if has_norm else rope.cos,
+            c.rms_eps, NUM_HEADS=c.num_heads, NUM_KV=c.num_kv_heads, HD=c.head_dim,
+            HD_P=self._hd_p, HALF=c.head_dim // 2,
+            INTERLEAVED=c.rope_style is RopeStyle.INTERLEAVED, HAS_QK_NORM=has_norm,
+            FIRST_HEAD=first_head, num_warps=1)
 
     def prefill_attention(self, qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                           layout: PrefillLayout, out: torch.Tensor) -> None:
@@ -130,7 +143,7 @@ class TritonOps(TorchOps):
 
     def decode_attention(self, qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          positions: torch.Tensor, tables: torch.Tensor, out: torch.Tensor,
-                         rope: Rope) -> None:
+                         rope: Rope, stores_kv: bool = True) -> None:
         assert self._part is not None and self._lse is not None, "reserve() first"
         assert self._counts is not None
         c = self.config
@@ -150,7 +163,7 @@ class TritonOps(TorchOps):
             NUM_SPLITS=self._max_splits, BLOCK_H=_pow2(group, 16), BLOCK_N=BLOCK_N,
             KV_FP32=k_pool.dtype == torch.float32,
             INTERLEAVED=c.rope_style is RopeStyle.INTERLEAVED, HAS_QK_NORM=has_norm,
-            num_warps=4)
+            STORE_KV=stores_kv, num_warps=4)
 
     def argmax(self, logits: torch.Tensor, out: torch.Tensor) -> None:
         assert self._best is not None, "reserve() first"

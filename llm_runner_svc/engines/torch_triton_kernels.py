@@ -45,12 +45,13 @@ def rope_store_kernel(qkv_ptr, qkv_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr, 
                       v_pool_ptr, q_norm_ptr, k_norm_ptr, eps, NUM_HEADS: tl.constexpr,
                       NUM_KV: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr,
                       HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-                      HAS_QK_NORM: tl.constexpr):
-    """Grid (rows, heads + kv_heads): one head vector per program, rotated (q/k-normalized
-    first, for such models) as decode attention rotates it; q in place, k and v into the
-    pool at the row's slot."""
+                      HAS_QK_NORM: tl.constexpr, FIRST_HEAD: tl.constexpr):
+    """Grid (rows, heads + kv_heads - FIRST_HEAD): one head vector per program, rotated
+    (q/k-normalized first, for such models) as decode attention rotates it; q in place, k
+    and v into the pool at the row's slot. FIRST_HEAD = NUM_HEADS: the k and v only, q
+    left unrotated (for a decode attention that rotates it)."""
     row = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(1) + FIRST_HEAD
     pos = tl.load(pos_ptr + row)
     d = tl.arange(0, HD_P)
     dmask = d < HD
@@ -110,7 +111,8 @@ def decode_attention_kernel(qkv_ptr, qkv_stride, k_pool_ptr, v_pool_ptr, pos_ptr
                             HALF: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
                             NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
                             BLOCK_N: tl.constexpr, KV_FP32: tl.constexpr,
-                            INTERLEAVED: tl.constexpr, HAS_QK_NORM: tl.constexpr):
+                            INTERLEAVED: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+                            STORE_KV: tl.constexpr):
     """Grid (rows, kv_heads, splits). Program (r, h, s) attends the GROUP query heads of kv
     head h over positions [s * SPLIT, (s + 1) * SPLIT) of row r, stopping at the row's own
     position: nothing past it is read. A row whose positions fit one split writes its output
@@ -121,9 +123,13 @@ def decode_attention_kernel(qkv_ptr, qkv_stride, k_pool_ptr, v_pool_ptr, pos_ptr
     The row's new q, k and v come unrotated in qkv: each program rotates (q/k-normalizes
     first, for such models) its query heads as it loads them, and the program whose split
     holds the row's position rotates k and writes k and v into the pool before it reads its
-    positions, so RoPE and the KV write cost no launch of their own. A float32 pool (the
-    float32 engine) multiplies in float32; over a bf16 pool the float32 q goes in as a bf16
-    pair (high part and remainder), so the scores keep about 16 of its mantissa bits."""
+    positions, so RoPE and the KV write cost no launch of their own. That store is seen by
+    its own program only: rows that read each other's new positions (a verify row's K + 1
+    positions, run as decode rows) have their k and v stored by an earlier launch
+    (`rope_store_kernel` with FIRST_HEAD = NUM_HEADS) and run with STORE_KV off. A float32
+    pool (the float32 engine) multiplies in float32; over a bf16 pool the float32 q goes in
+    as a bf16 pair (high part and remainder), so the scores keep about 16 of its mantissa
+    bits."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -144,17 +150,21 @@ def decode_attention_kernel(qkv_ptr, qkv_stride, k_pool_ptr, v_pool_ptr, pos_ptr
         qp = tl.load(row_ptr + q_rows + partner[None, :], mask=q_mask, other=0.0)
         q = _rotate(q, qp.to(tl.float32), sign[None, :], cs[None, :], sn[None, :], q_norm_ptr,
                     d[None, :], partner[None, :], dmask[None, :], eps, HD, HAS_QK_NORM)
-        if pos < start + SPLIT:  # this split holds the new position: store its k and v
-            k_ptr = row_ptr + (NUM_HEADS + kvh) * HD
-            k = tl.load(k_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-            kp = tl.load(k_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-            k = _rotate(k, kp, sign, cs, sn, k_norm_ptr, d, partner, dmask, eps, HD,
-                        HAS_QK_NORM)
-            v = tl.load(row_ptr + (NUM_HEADS + NUM_KV + kvh) * HD + d, mask=dmask, other=0.0)
-            page = tl.load(tables_ptr + row * table_stride + pos // PAGE).to(tl.int64)
-            dst = (page * PAGE + pos % PAGE) * (NUM_KV * HD) + kvh * HD + d
-            tl.store(k_pool_ptr + dst, k.to(k_pool_ptr.dtype.element_ty), mask=dmask)
-            tl.store(v_pool_ptr + dst, v.to(v_pool_ptr.dtype.element_ty), mask=dmask)
+        # (STORE_KV off: an earlier launch stored every row's k and v; two `if`s, as
+        # Triton's compiler takes no `and` of a constexpr and a tensor condition)
+        if STORE_KV:  # noqa: SIM102
+            if pos < start + SPLIT:  # this split holds the new position: store its k, v
+                k_ptr = row_ptr + (NUM_HEADS + kvh) * HD
+                k = tl.load(k_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+                kp = tl.load(k_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+                k = _rotate(k, kp, sign, cs, sn, k_norm_ptr, d, partner, dmask, eps, HD,
+                            HAS_QK_NORM)
+                v = tl.load(row_ptr + (NUM_HEADS + NUM_KV + kvh) * HD + d, mask=dmask,
+                            other=0.0)
+                page = tl.load(tables_ptr + row * table_stride + pos // PAGE).to(tl.int64)
+                dst = (page * PAGE + pos % PAGE) * (NUM_KV * HD) + kvh * HD + d
+                tl.store(k_pool_ptr + dst, k.to(k_pool_ptr.dtype.element_ty), mask=dmask)
+                tl.store(v_pool_ptr + dst, v.to(v_pool_ptr.dtype.element_ty), mask=dmask)
         tl.debug_barrier()  # the stores above are seen by this program's loads below
         if not KV_FP32:
             q_hi = q.to(k_pool_ptr.dtype.element_ty)

@@ -64,7 +64,8 @@ class InferenceRuntime(SequenceAdvance):
         self.plan = EnginePlan(
             max_batch=config.max_batch, max_seq=self.max_seq, page_size=config.page_size,
             num_pages=self._pool_pages(), prefill_chunk=config.prefill_chunk,
-            hidden_layer=config.hidden_layer, step_tokens=self.step_tokens)
+            hidden_layer=config.hidden_layer, step_tokens=self.step_tokens,
+            verify_tokens=config.spec.proposal_tokens if config.spec is not None else 0)
         if config.spec is not None and not engine.supports_verify:
             raise InvalidArgument(f"spec_decode: engine {engine.name} does not verify "
                                   "proposals (engines that do: numpy, torch)")
