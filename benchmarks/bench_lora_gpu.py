@@ -11,8 +11,12 @@ at `--position`) measured side by side, in rounds that alternate the cases:
   - mixed: every row on a different adapter (row i on adapter i % N + 1).
 Ratios are against the base engine's step. The bytes an adapter adds to a step are printed
 beside them: a mixed batch of b rows reads min(b, N) adapters on top of the weights.
+Before the table, one line per batch of the LoRA kernels alone (ms per launch, CUDA events,
+layer 0, every row on a different adapter): at batch 1 the per-row shrink (normed for
+q/k/v and gate/up, as the fused products take it) and expand, and the fused q/k/v and down
+products with and without the term inside; at larger batches the grouped shrink and expand.
 
-Usage: python benchmarks/bench_lora_gpu.py [--shape qwen2.5-7b] [--batches 1,32] [--rank 16]
+Usage: python benchmarks/bench_lora_gpu.py [--shape qwen2.5-7b] [--batches 1,8,32] [--rank 16]
                                            [--adapters 8] [--position 128] [--json FILE]
 """
 
@@ -34,6 +38,7 @@ from bench_lora import random_adapter  # noqa: E402
 
 from llm_runner_svc.engines.base import DecodeRow, EnginePlan  # noqa: E402
 from llm_runner_svc.engines.torch_engine import TorchEngine  # noqa: E402
+from llm_runner_svc.engines.torch_lora import PER_ROW_ROWS, TorchLora  # noqa: E402
 from llm_runner_svc.engines.torch_weights import named_shape, random_weights  # noqa: E402
 
 PAGE = 16
@@ -54,10 +59,60 @@ def replay_ms(engine: TorchEngine, slots: list[int], position: int, reps: int) -
     return gpu_paths.event_ms(lambda: graphs.replay(bucket, with_lora), reps=reps, warmup=3)
 
 
+def _matrix_ms(lora: TorchLora, m: str, x: torch.Tensor, norm: torch.Tensor | None,
+               idx: torch.Tensor, reps: int) -> dict[str, float]:
+    """ms per launch of matrix m's shrink and expand in layer 0 for rows x on adapters idx."""
+    from llm_runner_svc.engines import torch_lora_triton as kernels
+
+    b, dev = x.shape[0], x.device
+    a, bt = lora.a[m][0], lora.b[m][0]
+    t = torch.zeros(b, a.shape[2], device=dev)
+    dest = torch.zeros(b, bt.shape[2], device=dev)
+    starts = lora.starts(m)
+    if b <= PER_ROW_ROWS:
+        return {f"{m} shrink": gpu_paths.event_ms(lambda: kernels.shrink(
+                    x, a, idx, t, norm, lora.cfg.rms_eps), reps=reps, warmup=3),
+                f"{m} expand": gpu_paths.event_ms(lambda: kernels.expand(
+                    t, bt, idx, dest, starts), reps=reps, warmup=3)}
+    h = x.to(torch.bfloat16)  # the cuBLAS products' bf16 inputs
+    return {f"{m} shrink": gpu_paths.event_ms(lambda: kernels.grouped_shrink(
+                h, a, idx, t), reps=reps, warmup=3),
+            f"{m} expand": gpu_paths.event_ms(lambda: kernels.grouped_expand(
+                t, bt, idx, dest, starts, len(lora.bounds[m]) - 1), reps=reps, warmup=3)}
+
+
+def kernel_ms(lora: TorchLora, engine: TorchEngine, b: int, reps: int) -> dict[str, float]:
+    """ms per launch of layer 0's LoRA kernels for b rows on adapters 1, 2, ... (see the
+    module docstring)."""
+    cfg, lw, dev = lora.cfg, engine.weights.layers[0], lora.device
+    idx = torch.tensor([i % lora.num_slots + 1 for i in range(b)], dtype=torch.int32,
+                       device=dev)
+    x = torch.randn(b, cfg.hidden_size, device=dev)  # the residual stream, float32
+    inputs = {"qkv": x, "gate_up": x,
+              "down": torch.randn(b, cfg.intermediate_size, device=dev)}
+    norms = {"qkv": lw.attn_norm, "gate_up": lw.ffn_norm, "down": None}
+    out: dict[str, float] = {}
+    for m, inp in inputs.items():
+        out.update(_matrix_ms(lora, m, inp, norms[m], idx, reps))
+    products = engine.forward.products
+    if b <= PER_ROW_ROWS and products is not None:
+        term = lora.shrink_rows(0, "qkv", x, idx, lw.attn_norm)
+        qkv = torch.zeros(b, lw.qkv.shape[0], device=dev)
+        for name, lo in (("qkv fused", None), ("qkv fused+term", term)):
+            out[name] = gpu_paths.event_ms(lambda lo=lo: products.norm_product(
+                x, lw.attn_norm, lw.qkv, lw.qkv_bias, qkv, lo), reps=reps, warmup=3)
+        term = lora.shrink_rows(0, "down", inputs["down"], idx)
+        for name, lo in (("down fused", None), ("down fused+term", term)):
+            out[name] = gpu_paths.event_ms(lambda lo=lo: products.accumulate(
+                inputs["down"], lw.down, x, lo), reps=reps, warmup=3)
+    torch.cuda.synchronize()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen2.5-7b")
-    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--position", type=int, default=128)
@@ -90,6 +145,11 @@ def main() -> None:
           f"{100 * adapter_bytes / weight_bytes:.2f}% of the weights); setup "
           f"{time.perf_counter() - t0:.0f} s; graph replays at position {args.position}, "
           f"median of {args.rounds} alternating rounds of {args.reps}", flush=True)
+    kernels = {}
+    for b in batches:
+        kernels[b] = kernel_ms(lora.lora, lora, b, args.reps)
+        print(f"# kernels, batch {b} (ms per launch): " + ", ".join(
+            f"{k} {v:.4f}" for k, v in kernels[b].items()), flush=True)
     print("| batch | base ms | lora engine, base rows | one shared adapter | every row its own "
           "adapter | adapter bytes read (mixed) |")
     print("|---:|---:|---:|---:|---:|---:|")
@@ -115,7 +175,8 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({
             "date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
             "shape": args.shape, "rank": args.rank, "adapters": args.adapters,
-            "position": args.position, "rows": out}, indent=1))
+            "position": args.position, "rows": out,
+            "kernels_ms": {str(b): v for b, v in kernels.items()}}, indent=1))
     lora.close()
     base.close()
 

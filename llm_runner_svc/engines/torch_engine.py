@@ -110,7 +110,8 @@ class TorchEngine(TorchSteps):
         to 64 tokens run on split-K kernels instead (torch_triton_skinny.py).
         `adapters`: the LoRA adapters a row may name (row adapter k: `adapters[k - 1]`);
         on CUDA, decode batches with such rows replay their own graphs, which add each
-        row's adapter from stacked slot buffers (torch_lora_triton.py); a prefill forward
+        row's adapter from stacked slot buffers (torch_lora_triton.py; at batch 1 inside
+        the fused products, in larger batches reading each adapter once); a prefill forward
         with such rows runs eagerly and unfused (torch_lora.py)."""
         self.config = config
         self.device = resolve_device(device)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llm_runner_svc.engines.torch_lora import TorchGroups, TorchLora
+from llm_runner_svc.engines.torch_lora import LoraTerm, TorchGroups, TorchLora
 from llm_runner_svc.engines.torch_ops import Rope, TorchOps, pool_slots
 from llm_runner_svc.engines.torch_prefill import PrefillLayout
 from llm_runner_svc.engines.torch_state import RunState
@@ -148,9 +148,13 @@ class Forward:
         v itself. A fused product takes and leaves float32 activations. LoRA products: by
         `lora`, the rows of each adapter (`TorchLora.groups`), or by `lora_slots`, each
         row's adapter slot [n] int32 on the device (`TorchLora.add_rows`, graph-safe).
-        With either, every product runs unfused (cuBLAS), the LoRA terms added to its
-        output. `skinny`: unfused products run on the ops' split-K kernels where they take
-        them (a short prefill window)."""
+        A decode step by `lora_slots` of up to `TorchLora.fuses_rows` rows keeps its fused
+        products, each row's LoRA term inside them: its rows shrunk first (for q/k/v and
+        gate/up from the residual stream, normed by the shrink as the product norms it),
+        the product adding the term before its epilogue (before the SiLU for gate/up).
+        Otherwise every product runs unfused, the LoRA terms added to its output.
+        `skinny`: unfused products run on the ops' split-K kernels where they take them (a
+        short prefill window)."""
         s, ops, products = self.s, self.ops, self.products
         adapters = self.lora if (lora or lora_slots is not None) else None
         skinny = skinny and ops.skinny is not None
@@ -162,9 +166,17 @@ class Forward:
             else:
                 adapters.add(li, matrix, inp, out, lora)
 
+        def term(li: int, matrix: str, inp: torch.Tensor,
+                 norm: torch.Tensor | None = None) -> LoraTerm | None:
+            """The LoRA term a fused product adds (None without adapters)."""
+            if adapters is None:
+                return None
+            assert lora_slots is not None
+            return adapters.shrink_rows(li, matrix, inp, lora_slots, norm)
+
         if adapters is not None:
-            fused = _unfused  # the fused batch-1 products with LoRA terms around them
-            #                   strayed from the merged model (0.15 of the logits' scale)
+            if lora_slots is None or not adapters.fuses_rows(n):
+                fused = _unfused
             if lora_slots is not None:
                 adapters.begin_rows(n)
         x, h = s.x[:n], s.h[:n]
@@ -172,13 +184,14 @@ class Forward:
             if fused(lw.qkv, STORE):
                 assert products is not None
                 qkv = s.qkv_f[:n]
-                products.norm_product(x, lw.attn_norm, lw.qkv, lw.qkv_bias, qkv)
+                products.norm_product(x, lw.attn_norm, lw.qkv, lw.qkv_bias, qkv,
+                                      term(li, "qkv", x, lw.attn_norm))
             else:
                 qkv = s.qkv[:n]
                 ops.rms_norm(x, lw.attn_norm, h)
                 self._product(h, lw.qkv, lw.qkv_bias, qkv, skinny)
-            if adapters is not None:
-                add_lora(li, "qkv", h, qkv)
+                if adapters is not None:
+                    add_lora(li, "qkv", h, qkv)
             if slots is not None:
                 ops.rope_store(qkv, positions, slots, s.cos, s.sin, s.k_pool[li],
                                s.v_pool[li], lw.q_norm, lw.k_norm)
@@ -187,16 +200,17 @@ class Forward:
             attend(li, qkv, attn)
             if o_fused:
                 assert products is not None
-                products.accumulate(attn, lw.wo, x)
+                products.accumulate(attn, lw.wo, x, term(li, "o", attn))
             else:
                 self._accumulate(x, attn, lw.wo, skinny)
-            if adapters is not None:
-                add_lora(li, "o", attn, x)
+                if adapters is not None:
+                    add_lora(li, "o", attn, x)
             down_fused = fused(lw.down, ACCUMULATE)
             act = s.act_f[:n] if down_fused else s.act[:n]
             if fused(lw.gate_up, SILU_GATE):
                 assert products is not None
-                products.norm_gate(x, lw.ffn_norm, lw.gate_up, act)
+                products.norm_gate(x, lw.ffn_norm, lw.gate_up, act,
+                                   term(li, "gate_up", x, lw.ffn_norm))
             else:
                 ops.rms_norm(x, lw.ffn_norm, h)
                 self._product(h, lw.gate_up, None, s.gate_up[:n], skinny)
@@ -205,11 +219,11 @@ class Forward:
                 ops.silu_mul(s.gate_up[:n], act)
             if down_fused:
                 assert products is not None
-                products.accumulate(act, lw.down, x)
+                products.accumulate(act, lw.down, x, term(li, "down", act))
             else:
                 self._accumulate(x, act, lw.down, skinny)
-            if adapters is not None:
-                add_lora(li, "down", act, x)
+                if adapters is not None:
+                    add_lora(li, "down", act, x)
             self._stage_state(li + 1, n, capture)
         self._stage_state(-1, n, capture)
 

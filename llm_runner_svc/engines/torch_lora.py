@@ -11,14 +11,21 @@ which add exact zeros. Loading an adapter into a slot copies into the buffers
 Two ways to run the products, both adding onto the base product of the same rows:
   - `add` (grouped): per adapter present, its rows' (x @ A^T) @ B^T as plain torch products
     (prefill passes; decode steps on the CPU);
-  - `add_rows` (per row, graph-safe): each row's adapter slot read from a device tensor, by
-    the Triton kernels of torch_lora_triton.py ("triton"), or by torch products over each
-    row's gathered matrices ("gather", the reference of the same path on any device).
+  - `add_rows` (graph-safe): each row's adapter slot read from a device tensor, so one
+    captured decode graph serves any mix. "triton" (torch_lora_triton.py): a step of up to
+    PER_ROW_ROWS rows gathers each row's adapter (shrink into the float32 scratch t, then
+    expand), a larger one runs kernels that group rows by adapter, reading each adapter
+    once for all its rows; "gather": torch products over each row's gathered matrices (the
+    reference of the same path on any device).
+A decode step of a row or few on the fused products keeps them (Forward.layers): `shrink_rows`
+fills t (norming the residual stream first for q/k/v and gate/up, as the product does) and
+the product adds each row's t @ B^T inside its epilogue (`LoraTerm`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,6 +40,18 @@ KERNELS = ("grouped", "gather", "triton")
 
 
 DEFAULT_RANK = 16  # a slot's rank when neither the stage nor the starting adapters say more
+# Decode batches of up to this many rows (the fused products' few-row kernel, GEMV_ROWS)
+# gather each row's adapter; larger ones read each adapter once for all its rows.
+PER_ROW_ROWS = 4
+
+
+class LoraTerm(NamedTuple):
+    """What a fused product needs to add each row's LoRA term (torch_triton_products.py)."""
+    t: torch.Tensor  # [n, M r] float32: each row's x @ A^T
+    b: torch.Tensor  # [slots + 1, r, out]: the layer's scale * B^T
+    idx: torch.Tensor  # [n] int32 adapter slot per row (0: the base model)
+    bounds: tuple[int, int]  # output columns where modules 1 and 2 start (out: none)
+    rank: int  # r: each module's rank columns in t
 
 
 class TorchLora:
@@ -148,21 +167,49 @@ class TorchLora:
         assert self.t is not None, "reserve() first"
         self.t[:, :n].zero_()
 
+    def fuses_rows(self, n: int) -> bool:
+        """Whether a decode step of n rows may keep its fused products (the LoRA terms
+        inside them: `shrink_rows`, then the product with the term)."""
+        return self.kernel == "triton" and n <= PER_ROW_ROWS
+
+    def _scratch(self, layer: int, matrix: str, n: int) -> torch.Tensor:
+        assert self.t is not None, "reserve() first"
+        return self.t[4 * layer + list(FUSED).index(matrix), :n, :self.a[matrix].shape[3]]
+
+    def starts(self, matrix: str) -> tuple[int, int]:
+        """The output columns where modules 1 and 2 start (past the last: none)."""
+        bounds = self.bounds[matrix]
+        ends = [*bounds[1:-1], bounds[-1], bounds[-1]]
+        return ends[0], ends[1]
+
+    def shrink_rows(self, layer: int, matrix: str, x: torch.Tensor, idx: torch.Tensor,
+                    norm: torch.Tensor | None = None) -> LoraTerm:
+        """t[i] = x[i] @ A^T[idx[i]] into the scratch (zeroed by `begin_rows`), x's rows
+        RMS-normed and scaled by `norm` first when given (x then the residual stream);
+        the term a fused product adds. Triton kernels only."""
+        from llm_runner_svc.engines.torch_lora_triton import shrink
+
+        t = self._scratch(layer, matrix, x.shape[0])
+        shrink(x, self.a[matrix][layer], idx, t, norm, self.cfg.rms_eps)
+        return LoraTerm(t, self.b[matrix][layer], idx, self.starts(matrix), self.rank)
+
     def add_rows(self, layer: int, matrix: str, x: torch.Tensor, out: torch.Tensor,
                  idx: torch.Tensor) -> None:
         """out[i] += x[i] @ A^T[idx[i]] @ B^T[idx[i]] for every row i (slot 0: nothing);
         x [n, in], out [n, out], idx [n] int32 on the device."""
         r, bounds = self.rank, self.bounds[matrix]
         a, b = self.a[matrix][layer], self.b[matrix][layer]
-        n, m_r = x.shape[0], a.shape[2]
-        assert self.t is not None, "reserve() first"
-        t = self.t[4 * layer + list(FUSED).index(matrix), :n, :m_r]
+        n = x.shape[0]
+        t = self._scratch(layer, matrix, n)
         if self.kernel == "triton":
-            from llm_runner_svc.engines.torch_lora_triton import expand, shrink
+            from llm_runner_svc.engines import torch_lora_triton as kernels
 
-            shrink(x, a, idx, t)
-            ends = [*bounds[1:-1], bounds[-1], bounds[-1]]
-            expand(t, b, idx, out, (ends[0], ends[1]))
+            if n <= PER_ROW_ROWS:
+                self.shrink_rows(layer, matrix, x, idx)
+                kernels.expand(t, b, idx, out, self.starts(matrix))
+            elif self.num_slots > 0:
+                kernels.grouped_shrink(x, a, idx, t)
+                kernels.grouped_expand(t, b, idx, out, self.starts(matrix), len(bounds) - 1)
             return
         rows = idx.long()
         t.copy_(torch.bmm(x.float().unsqueeze(1), a.index_select(0, rows).float()).squeeze(1))

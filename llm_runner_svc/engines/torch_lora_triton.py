@@ -1,12 +1,20 @@
-"""Triton kernels of per-row LoRA products (BGMV: each row gathers its own adapter).
+"""Triton kernels of LoRA products over stacked adapter buffers.
 
 The adapters sit in stacked buffers (torch_lora.py): A^T [slots + 1, in, R] and B^T
 [slots + 1, r, out] per layer and engine matrix, slot 0 all zeros (the base model), and a
 row's adapter slot is read from device memory, so one captured decode graph serves any mix
-of adapters. `shrink` adds x[row] @ A^T[slot] into t[row] ([n, R] float32, zeroed before),
-split over `in` so a decode batch of one row still spreads over many programs; `expand` adds
-t[row, module's rank columns] @ B^T[slot] onto out[row], each output column taking the rank
-columns of the module (q/k/v, gate/up) it belongs to. Rows on slot 0 read nothing.
+of adapters. Two pairs of kernels, each a shrink (t [n, R] float32, zeroed before, += x @
+A^T) then an expand (out += t[:, module's rank columns] @ B^T, each output column taking the
+rank columns of the module, q/k/v or gate/up, it belongs to); rows on slot 0 read nothing:
+  - per row (BGMV, a decode step of a few rows): each row gathers its own adapter; the
+    shrink is split over `in` so one row still spreads over many programs, and can RMS-norm
+    its input first (the fused products' normed input is never written out); the fused
+    products add the expand themselves (torch_triton_products.py);
+  - grouped by adapter (larger batches): a program per adapter slot and tile reads its
+    slot's tile of A^T or B^T once and multiplies it, on the tensor cores, with every block
+    of 16 rows that holds one of the slot's rows (the others masked out, reading nothing),
+    so a step reads each adapter present once instead of once per row. No sorting or
+    staging: a slot with no rows in the step costs its programs a scan of the slots.
 """
 
 from __future__ import annotations
@@ -15,13 +23,18 @@ import torch
 import triton
 import triton.language as tl
 
+from llm_runner_svc.engines.torch_triton_products import _split_dot
+
 SHRINK_TILE = 8192  # elements of A^T a shrink program reads: [in positions, R]
 EXPAND_BLOCK_N = 128  # output columns per expand program
 
 
 @triton.jit
 def lora_shrink_kernel(x_ptr, x_stride, a_ptr, a_slot_stride, idx_ptr, t_ptr, t_stride,
-                       n_in, R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+                       n_in, norm_ptr, eps, R: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_R: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Grid (rows, cdiv(n_in, BLOCK_K)). HAS_NORM: x is the residual stream and the
+    product's input its RMSNorm (times the norm weight), as the fused products norm it."""
     row = tl.program_id(0)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     rs = tl.arange(0, BLOCK_R)
@@ -29,7 +42,17 @@ def lora_shrink_kernel(x_ptr, x_stride, a_ptr, a_slot_stride, idx_ptr, t_ptr, t_
     k_end = tl.where(slot != 0, n_in, 0)  # a base row reads nothing
     r_end = tl.where(slot != 0, R, 0)
     kmask = ks < k_end
-    x = tl.load(x_ptr + row * x_stride + ks, mask=kmask, other=0.0).to(tl.float32)
+    x_row = x_ptr + row * x_stride
+    x = tl.load(x_row + ks, mask=kmask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        ss = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, k_end, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_row + kk, mask=kk < k_end, other=0.0).to(tl.float32)
+            ss += xk * xk
+        inv = tl.rsqrt(tl.sum(ss, axis=0) / n_in + eps)
+        g = tl.load(norm_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+        x = x * inv * g
     a = tl.load(a_ptr + slot * a_slot_stride + ks[:, None] * R + rs[None, :],
                 mask=kmask[:, None] & (rs[None, :] < R), other=0.0).to(tl.float32)
     part = tl.sum(x[:, None] * a, axis=0)  # [BLOCK_R]
@@ -57,19 +80,103 @@ def lora_expand_kernel(t_ptr, t_stride, b_ptr, b_slot_stride, idx_ptr, out_ptr, 
              mask=cmask)
 
 
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """acc += a @ b for float32 a: exact float32 products when b is float32 (IEEE), else
+    `_split_dot` against bf16 b."""
+    if IEEE:  # noqa: SIM108 (a statement: a constexpr branch, compiled or not)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = _split_dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _has_rows(idx_ptr, n_rows, slot, BLOCK_M: tl.constexpr):
+    """Whether any of rows 0 .. n_rows-1 is on `slot`."""
+    count = tl.sum(tl.zeros([BLOCK_M], tl.int32), axis=0)  # int32: the loop adds to it
+    for m0 in range(0, n_rows, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        mine = tl.load(idx_ptr + rows, mask=rows < n_rows, other=0) == slot
+        count += tl.sum(mine.to(tl.int32), axis=0)
+    return count > 0
+
+
+@triton.jit
+def grouped_shrink_kernel(x_ptr, x_stride, a_ptr, a_slot_stride, idx_ptr, t_ptr, t_stride,
+                          n_rows, n_in, R: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
+    """Grid (slots, cdiv(n_in, BLOCK_K)): slot program_id(0) + 1 reads its A^T tile once
+    and multiplies every block of BLOCK_M rows holding one of its rows (the others masked
+    out, so they read nothing), adding into t."""
+    slot = tl.program_id(0) + 1
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rs = tl.arange(0, BLOCK_R)
+    kmask = ks < n_in
+    if _has_rows(idx_ptr, n_rows, slot, BLOCK_M):
+        a = tl.load(a_ptr + slot.to(tl.int64) * a_slot_stride + ks[:, None] * R + rs[None, :],
+                    mask=kmask[:, None] & (rs[None, :] < R), other=0.0)  # [BLOCK_K, BLOCK_R]
+        for m0 in range(0, n_rows, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            mine = tl.load(idx_ptr + rows, mask=rows < n_rows, other=0) == slot
+            if tl.sum(mine.to(tl.int32), axis=0) > 0:
+                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + ks[None, :],
+                            mask=mine[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                part = _dot(x, a, tl.zeros([BLOCK_M, BLOCK_R], tl.float32), IEEE)
+                tl.atomic_add(t_ptr + rows[:, None] * t_stride + rs[None, :], part,
+                              mask=mine[:, None] & (rs[None, :] < R))
+
+
+@triton.jit
+def grouped_expand_kernel(t_ptr, t_stride, b_ptr, b_slot_stride, idx_ptr, out_ptr, out_stride,
+                          n_rows, n_out, bound1, bound2, r: tl.constexpr,
+                          NUM_MODULES: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
+    """Grid (slots, cdiv(n_out, BLOCK_N)): slot program_id(0) + 1 reads its B^T tile once
+    and adds, for every block of BLOCK_M rows holding one of its rows, each module's rank
+    columns of t times the module's output columns onto those rows of out (only its own
+    rows: each output element has one writer)."""
+    slot = tl.program_id(0) + 1
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    js = tl.arange(0, BLOCK_R)
+    cmask = cols < n_out
+    jmask = js < r
+    module = (cols >= bound1).to(tl.int32) + (cols >= bound2).to(tl.int32)  # [BLOCK_N]
+    if _has_rows(idx_ptr, n_rows, slot, BLOCK_M):
+        b = tl.load(b_ptr + slot.to(tl.int64) * b_slot_stride + js[:, None] * n_out
+                    + cols[None, :], mask=jmask[:, None] & cmask[None, :], other=0.0)
+        for m0 in range(0, n_rows, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            mine = tl.load(idx_ptr + rows, mask=rows < n_rows, other=0) == slot
+            if tl.sum(mine.to(tl.int32), axis=0) > 0:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for j in tl.static_range(NUM_MODULES):
+                    tv = tl.load(t_ptr + rows[:, None] * t_stride + j * r + js[None, :],
+                                 mask=mine[:, None] & jmask[None, :], other=0.0)
+                    acc = _dot(tv, tl.where((module == j)[None, :], b, 0.0).to(b.dtype),
+                               acc, IEEE)
+                offs = rows[:, None].to(tl.int64) * out_stride + cols[None, :]
+                omask = mine[:, None] & cmask[None, :]
+                o = tl.load(out_ptr + offs, mask=omask, other=0.0).to(tl.float32)
+                tl.store(out_ptr + offs, (o + acc).to(out_ptr.dtype.element_ty), mask=omask)
+
 def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor, t: torch.Tensor) -> None:
-    """t [n, R] float32 += x [n, in] @ a[idx] ([slots + 1, in, R]), per row."""
+def shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor, t: torch.Tensor,
+           norm: torch.Tensor | None = None, eps: float = 0.0) -> None:
+    """t [n, R] float32 += x [n, in] @ a[idx] ([slots + 1, in, R]), per row; with `norm`
+    [in], x's rows RMS-normed (epsilon `eps`) and scaled by it first."""
     n, n_in = x.shape
     big_r = a.shape[2]
     block_r = _pow2(big_r)
     block_k = max(64, min(512, SHRINK_TILE // block_r))  # fewer partial sums for small R
     lora_shrink_kernel[(n, triton.cdiv(n_in, block_k))](
-        x, x.stride(0), a, a.stride(0), idx, t, t.stride(0), n_in, R=big_r,
-        BLOCK_K=block_k, BLOCK_R=block_r, num_warps=4)
+        x, x.stride(0), a, a.stride(0), idx, t, t.stride(0), n_in,
+        norm if norm is not None else x, eps, R=big_r, BLOCK_K=block_k, BLOCK_R=block_r,
+        HAS_NORM=norm is not None, num_warps=4)
 
 
 def expand(t: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, out: torch.Tensor,
@@ -81,3 +188,32 @@ def expand(t: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, out: torch.Tenso
     lora_expand_kernel[(n, triton.cdiv(n_out, EXPAND_BLOCK_N))](
         t, t.stride(0), b, b.stride(0), idx, out, out.stride(0), n_out, bounds[0], bounds[1],
         r=r, BLOCK_R=_pow2(r), BLOCK_N=EXPAND_BLOCK_N, num_warps=4)
+
+
+GROUP_ROWS = 16  # rows a grouped program multiplies at once (tl.dot's smallest tile)
+
+
+def grouped_shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor,
+                   t: torch.Tensor) -> None:
+    """t [n, R] float32 += x [n, in] @ a[idx] ([slots + 1, in, R]), each slot's A^T read
+    once for all its rows; rows on slot 0 add nothing."""
+    n, n_in = x.shape
+    big_r = a.shape[2]
+    block_r = _pow2(big_r)
+    block_k = max(16, min(256, SHRINK_TILE // block_r))
+    grouped_shrink_kernel[(a.shape[0] - 1, triton.cdiv(n_in, block_k))](
+        x, x.stride(0), a, a.stride(0), idx, t, t.stride(0), n, n_in, R=big_r,
+        BLOCK_M=GROUP_ROWS, BLOCK_K=block_k, BLOCK_R=block_r,
+        IEEE=a.dtype == torch.float32, num_warps=4)
+
+
+def grouped_expand(t: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, out: torch.Tensor,
+                   bounds: tuple[int, int], num_modules: int) -> None:
+    """`expand` with each slot's B^T read once for all its rows."""
+    n, n_out = out.shape
+    r = b.shape[1]
+    grouped_expand_kernel[(b.shape[0] - 1, triton.cdiv(n_out, EXPAND_BLOCK_N))](
+        t, t.stride(0), b, b.stride(0), idx, out, out.stride(0), n, n_out, bounds[0],
+        bounds[1], r=r, NUM_MODULES=num_modules, BLOCK_M=GROUP_ROWS,
+        BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=_pow2(r), IEEE=b.dtype == torch.float32,
+        num_warps=4)

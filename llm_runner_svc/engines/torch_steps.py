@@ -105,7 +105,8 @@ class TorchSteps(Engine):
     def reserve_adapters(self, num_slots: int, max_rank: int | None = None,
                          kernel: str = "auto") -> None:
         """Also `kernel`: how decode rows on adapters run: "triton" (the CUDA default: each
-        row's adapter read by Triton kernels inside the decode CUDA graphs), "gather" (the
+        row's adapter read by Triton kernels inside the decode CUDA graphs, per row in a
+        batch of a few rows, grouped by adapter in larger ones), "gather" (the
         same per-row path with torch products), or "grouped" (the CPU default: per adapter
         present, eagerly). The slots are stacked buffers in the engine's dtype on CUDA,
         float32 on the CPU; the adapters held so far move into them."""

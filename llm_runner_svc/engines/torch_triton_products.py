@@ -8,7 +8,8 @@ with what surrounds the product in a decoder layer fused around it:
   written out;
 - epilogue: the bias; or accumulation into the output (the residual stream, `x += A @ W.T`);
   or the SiLU gate (W holds gate rows then up rows, and each program computes both halves of
-  its columns, writing `silu(gate) * up`).
+  its columns, writing `silu(gate) * up`); in a decode step's few-row kernel, each row's
+  LoRA term first, when its rows carry adapters (`_lora_delta`; torch_lora.py).
 
 The activations are never rounded to bf16. A decode step's few rows (`gemv_kernel`) are
 multiplied on the CUDA cores in float32 with the weights widened as they stream in: the
@@ -26,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llm_runner_svc.engines.torch_lora import LoraTerm
 from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE
 
 _ACCUMULATE = tl.constexpr(ACCUMULATE)  # the same, as the kernel sees them
@@ -79,6 +81,25 @@ def _finish(y, up, rm, rn, mmask, nmask, bias_ptr, out_ptr, out_stride,
 
 
 @triton.jit
+def _lora_delta(t_ptr, t_stride, lb_ptr, lb_slot_stride, idx_ptr, rm, mmask, cols, nmask,
+                lb_cols, bound1, bound2, LORA_R: tl.constexpr, LORA_BR: tl.constexpr):
+    """The LoRA term of a [BM, BN] product tile: for row m on adapter slot s (idx[m]; 0, the
+    base model, reads nothing) and output column c of module j (c from bound1: j = 1, from
+    bound2: j = 2), sum over i < LORA_R of t[m, j LORA_R + i] * B^T[s, i, c]; t [rows, M r]
+    float32 (the shrink's x @ A^T), B^T [slots + 1, r, lb_cols] (torch_lora.py)."""
+    slot = tl.load(idx_ptr + rm, mask=mmask, other=0).to(tl.int64)  # [BM]
+    js = tl.arange(0, LORA_BR)
+    module = (cols >= bound1).to(tl.int32) + (cols >= bound2).to(tl.int32)  # [BN]
+    live = ((slot != 0)[:, None, None] & (js < LORA_R)[None, :, None]
+            & nmask[None, None, :])  # [BM, LORA_BR, BN]
+    tv = tl.load(t_ptr + rm[:, None, None].to(tl.int64) * t_stride
+                 + module[None, None, :] * LORA_R + js[None, :, None], mask=live, other=0.0)
+    b = tl.load(lb_ptr + slot[:, None, None] * lb_slot_stride + js[None, :, None] * lb_cols
+                + cols[None, None, :], mask=live, other=0.0).to(tl.float32)
+    return tl.sum(tv * b, axis=1)
+
+
+@triton.jit
 def product_kernel(a_ptr, a_stride, w_ptr, bias_ptr, norm_ptr, out_ptr, out_stride, M, N, K,
                    eps, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -112,12 +133,16 @@ def product_kernel(a_ptr, a_stride, w_ptr, bias_ptr, norm_ptr, out_ptr, out_stri
 
 @triton.jit
 def gemv_kernel(a_ptr, a_stride, w_ptr, bias_ptr, norm_ptr, out_ptr, out_stride, M, N, K, eps,
+                t_ptr, t_stride, lb_ptr, lb_slot_stride, idx_ptr, lb_cols, bound1, bound2,
                 HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr,
+                HAS_LORA: tl.constexpr, LORA_R: tl.constexpr, LORA_BR: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """`product_kernel` for a decode step's few rows (M <= BM), on the CUDA cores: grid
     (cdiv(N, BN),). Each program streams BN weight rows along K in coalesced [BN, BK] tiles,
     widens them to float32 and multiplies them with every activation row exactly (float32
-    products and sums), reducing across K once at the end."""
+    products and sums), reducing across K once at the end. HAS_LORA: each row's LoRA term
+    (`_lora_delta`) is added to the product before the epilogue (to both the gate and the
+    up half, for SILU_GATE: before the SiLU)."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.arange(0, BM)
     rk = tl.arange(0, BK)
@@ -141,8 +166,15 @@ def gemv_kernel(a_ptr, a_stride, w_ptr, bias_ptr, norm_ptr, out_ptr, out_stride,
         if MODE == _SILU_GATE:
             w_up = tl.load(w_rows + N * K + kk[None, :], mask=wmask, other=0.0)
             acc_up += a[:, None, :] * w_up.to(tl.float32)[None, :, :]
-    _finish(tl.sum(acc, axis=2), tl.sum(acc_up, axis=2), rm, rn, mmask, nmask, bias_ptr,
-            out_ptr, out_stride, HAS_BIAS, MODE)
+    y = tl.sum(acc, axis=2)
+    up = tl.sum(acc_up, axis=2)
+    if HAS_LORA:
+        y += _lora_delta(t_ptr, t_stride, lb_ptr, lb_slot_stride, idx_ptr, rm, mmask, rn,
+                         nmask, lb_cols, bound1, bound2, LORA_R, LORA_BR)
+        if MODE == _SILU_GATE:
+            up += _lora_delta(t_ptr, t_stride, lb_ptr, lb_slot_stride, idx_ptr, rm, mmask,
+                              N + rn, nmask, lb_cols, bound1, bound2, LORA_R, LORA_BR)
+    _finish(y, up, rm, rn, mmask, nmask, bias_ptr, out_ptr, out_stride, HAS_BIAS, MODE)
 
 
 GEMV_ROWS = 4  # the most rows gemv_kernel takes; more go to product_kernel
@@ -193,16 +225,21 @@ class FusedProducts:
 
     def _launch(self, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int,
                 mode: int, norm: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None) -> None:
+                bias: torch.Tensor | None = None, lora: LoraTerm | None = None) -> None:
         m, k = a.shape
         if m <= GEMV_ROWS:
             bm, bn, bk, warps = gemv_tiles(m, n, k, mode)
+            t, lb, idx = (lora.t, lora.b, lora.idx) if lora is not None else (a, w, a)
+            bounds, rank = (lora.bounds, lora.rank) if lora is not None else ((0, 0), 1)
             gemv_kernel[(triton.cdiv(n, bn),)](
                 a, a.stride(0), w, bias if bias is not None else w,
                 norm if norm is not None else a, out, out.stride(0), m, n, k, self.eps,
-                HAS_NORM=norm is not None, HAS_BIAS=bias is not None, MODE=mode, BM=bm,
+                t, t.stride(0), lb, lb.stride(0), idx, lb.shape[-1], bounds[0], bounds[1],
+                HAS_NORM=norm is not None, HAS_BIAS=bias is not None, MODE=mode,
+                HAS_LORA=lora is not None, LORA_R=rank, LORA_BR=_pow2(rank), BM=bm,
                 BN=bn, BK=bk, num_warps=warps)
             return
+        assert lora is None, "LoRA terms ride on the few-row products only"
         bm, bn, bk, warps, stages = tiles(m, n, k)
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         product_kernel[grid](
@@ -212,15 +249,19 @@ class FusedProducts:
             BK=bk, num_warps=warps, num_stages=stages)
 
     def norm_product(self, x: torch.Tensor, norm: torch.Tensor, w: torch.Tensor,
-                     bias: torch.Tensor | None, out: torch.Tensor) -> None:
-        """out = rms_norm(x) * norm @ w.T (+ bias)."""
-        self._launch(x, w, out, w.shape[0], STORE, norm, bias)
+                     bias: torch.Tensor | None, out: torch.Tensor,
+                     lora: LoraTerm | None = None) -> None:
+        """out = rms_norm(x) * norm @ w.T (+ bias) (+ each row's LoRA term, `lora`: x's
+        rows already shrunk, normed, by `TorchLora.shrink_rows`)."""
+        self._launch(x, w, out, w.shape[0], STORE, norm, bias, lora)
 
     def norm_gate(self, x: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor,
-                  out: torch.Tensor) -> None:
-        """out = silu(g) * u where [g | u] = rms_norm(x) * norm @ gate_up.T."""
-        self._launch(x, gate_up, out, gate_up.shape[0] // 2, SILU_GATE, norm)
+                  out: torch.Tensor, lora: LoraTerm | None = None) -> None:
+        """out = silu(g) * u where [g | u] = rms_norm(x) * norm @ gate_up.T (+ each row's
+        LoRA term on g and u)."""
+        self._launch(x, gate_up, out, gate_up.shape[0] // 2, SILU_GATE, norm, lora=lora)
 
-    def accumulate(self, a: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> None:
-        """x += a @ w.T"""
-        self._launch(a, w, x, w.shape[0], ACCUMULATE)
+    def accumulate(self, a: torch.Tensor, w: torch.Tensor, x: torch.Tensor,
+                   lora: LoraTerm | None = None) -> None:
+        """x += a @ w.T (+ each row's LoRA term)"""
+        self._launch(a, w, x, w.shape[0], ACCUMULATE, lora=lora)

@@ -4,11 +4,12 @@ whose Triton kernels add each row's adapter from the stacked buffers (torch_lora
 - float32 on the GPU: a batch of 8 requests over 3 adapters and the base model gives every
   request the numpy engine's greedy tokens for its adapter, and an adapter put into a slot
   after the graphs were captured is what the next steps compute;
-- bf16: the graphs' per-row kernels against the grouped eager products on the same engine
-  state, within bf16 rounding;
+- bf16: the graphs' kernels (batch 1: the LoRA terms inside the fused products; a few rows:
+  per-row kernels; more: kernels that group rows by adapter) against the grouped eager
+  products on the same engine state, and against the merged model, within bf16 rounding;
 - decode steps with adapter rows replay graphs and allocate nothing.
 These tests need a GPU; CI has none (the kernels run on Triton's CPU interpreter in
-tests/unit/test_lora_slots.py).
+tests/unit/test_lora_slots.py and tests/unit/test_lora_fused.py).
 """
 
 from __future__ import annotations
@@ -120,23 +121,32 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
     return float((np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)).max())
 
 
-def test_bf16_graph_kernels_against_grouped_products(stories, adapters):
-    jobs = list(zip(PROMPTS, ROUTES, strict=True))
+@pytest.mark.parametrize("n", [1, 3, 8, 20])
+def test_bf16_graph_kernels_against_grouped_products(stories, adapters, n):
+    """Batch 1: the fused products with each row's term inside; 3: cuBLAS products with
+    per-row terms; 8 and 20 (two blocks of rows per adapter): the kernels that group rows
+    by adapter."""
+    jobs = [(PROMPTS[(i + 1) % 8], ROUTES[(i + 1) % 8]) for i in range(n)]
     got = _decode_logits(stories, adapters, jobs, kernel="triton")
     want = _decode_logits(stories, adapters, jobs, kernel="grouped")
-    print(f"bf16 per-row kernels vs grouped, batch 8: worst rel {_rel(got, want):.1e}")
+    print(f"bf16 graph kernels vs grouped, batch {n}: worst rel {_rel(got, want):.1e}")
     assert _rel(got, want) < 2e-2
 
 
-def test_bf16_batch_one_against_the_merged_model(stories, adapters):
-    """At batch 1 an adapter's decode graph runs every product on cuBLAS with the LoRA
-    terms added to its output: against the merged model's own batch-1 graph (the fused
-    products), within bf16 rounding (the merged weights are rounded to bf16 once)."""
-    for k, adapter in enumerate(adapters, 1):
-        got = _decode_logits(stories, adapters, [(PROMPTS[2], k)])
+@pytest.mark.parametrize("n", [1, 6])
+def test_bf16_against_the_merged_model(stories, adapters, n):
+    """Every row on one adapter against the merged model's own graph, within bf16 rounding
+    (the merged weights are rounded to bf16 once): at batch 1 both run the fused products
+    (the adapter's terms inside them: their shrinks norm the residual stream as the
+    products do, the gate/up term goes in before the SiLU; a slip in either strays by a
+    tenth of the logits' scale), at batch 6 cuBLAS with the grouped kernels (the adapter
+    on all seven modules)."""
+    jobs = [(PROMPTS[(2 + i) % 8], 0) for i in range(n)]
+    for k, adapter in list(enumerate(adapters, 1))[:3 if n == 1 else 1]:
+        got = _decode_logits(stories, adapters, [(ids, k) for ids, _ in jobs])
         merged = merge_adapter(stories.weights, adapter)
-        want = _decode_logits(stories, [], [(PROMPTS[2], 0)], weights=merged)
-        print(f"bf16 batch 1, adapter {k} vs merged: rel {_rel(got, want):.1e}")
+        want = _decode_logits(stories, [], jobs, weights=merged)
+        print(f"bf16 batch {n}, adapter {k} vs merged: rel {_rel(got, want):.1e}")
         assert _rel(got, want) < 3e-2
 
 
