@@ -66,9 +66,17 @@ class InputStager:
 
     def stage(self, rows: Sequence[DecodeRow], bucket: int) -> None:
         """Write `rows` (padded to `bucket`) and start their copy to the device."""
+        self.stage_columns([r.token_id for r in rows], [r.position for r in rows],
+                           [r.adapter for r in rows], [r.page_table for r in rows], bucket)
+
+    def stage_columns(self, token_ids: Sequence[int], positions: Sequence[int],
+                      adapters: Sequence[int], page_tables: Sequence[Sequence[int]],
+                      bucket: int) -> None:
+        """`stage` by column, one entry per row; rows that share a page table (the same
+        object: a verify row's positions) read it once."""
         if self._is_cuda:
             self._copied.synchronize()  # the previous step's copy has left the buffer
-        b, pages = len(rows), self._pages
+        b, pages = len(token_ids), self._pages
         size = bucket * (3 + pages)
         flat = self._host_np[:size]
         if bucket != self._bucket:
@@ -78,11 +86,14 @@ class InputStager:
             self._rows = [None] * bucket
         ids, pos, slots = flat[:bucket], flat[bucket:2 * bucket], flat[2 * bucket:3 * bucket]
         tables = flat[3 * bucket:].reshape(bucket, pages)
-        ids[:b] = [r.token_id for r in rows]
-        pos[:b] = [r.position for r in rows]
-        slots[:b] = [r.adapter for r in rows]
-        for i, r in enumerate(rows):
-            table = list(r.page_table)
+        ids[:b] = token_ids
+        pos[:b] = positions
+        slots[:b] = adapters
+        src: Sequence[int] | None = None
+        table: list[int] = []
+        for i, row_table in enumerate(page_tables):
+            if row_table is not src:
+                src, table = row_table, list(row_table)
             if self._rows[i] != table:
                 m = min(len(table), pages)
                 tables[i, :m] = table[:m]

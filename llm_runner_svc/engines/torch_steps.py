@@ -194,32 +194,36 @@ class TorchSteps(Engine):
         if feeds:
             self.picks.feed(self.state.inputs[:len(rows)])
 
-    def _decode(self, rows: Sequence[DecodeRow], bucket: int, stores_first: bool = False
-                ) -> list[HiddenStates | None]:
-        """The staged decode step: logits rows and greedy picks 0 .. len(rows)-1
-        (`stores_first`: see `Forward.decode`)."""
+    def _decode(self, rows: Sequence[DecodeRow], bucket: int) -> list[HiddenStates | None]:
+        """The staged decode step: logits rows and greedy picks 0 .. len(rows)-1."""
         plan, s = self._need_plan(), self.state
         b = len(rows)
         capture = plan.hidden_layer is not None and any(r.capture_hidden for r in rows)
-        has_lora = any(r.adapter for r in rows)
-        per_row = has_lora and self.forward.lora is not None and self.forward.lora.is_per_row
-        if self.graphs is not None and (per_row or not has_lora):
-            self.graphs.replay(bucket, with_lora=per_row, stores_first=stores_first)
-        else:  # on the CPU, or adapters run grouped: eagerly
-            ids, positions, tables = decode_views(s, b)
-            if per_row:
-                self.forward.decode(b, ids, positions, tables, capture,
-                                    lora_slots=decode_adapters(s, b),
-                                    stores_first=stores_first)
-            else:
-                self.forward.decode(b, ids, positions, tables, capture,
-                                    self._lora_groups([r.adapter for r in rows], [1] * b),
-                                    stores_first=stores_first)
+        self._run_decode(bucket, [r.adapter for r in rows], capture)
         if not capture:
             return [None] * b
         emb, states = _host_copy(s.cap_emb[:b]), _host_copy(s.cap_state[:b])
         return [HiddenStates(emb[i:i + 1], states[i:i + 1], r.position)
                 if r.capture_hidden else None for i, r in enumerate(rows)]
+
+    def _run_decode(self, bucket: int, adapters: Sequence[int], capture: bool,
+                    stores_first: bool = False) -> None:
+        """The staged decode step of rows with `adapters` (`stores_first`: see
+        `Forward.decode`)."""
+        s, b = self.state, len(adapters)
+        has_lora = any(adapters)
+        per_row = has_lora and self.forward.lora is not None and self.forward.lora.is_per_row
+        if self.graphs is not None and (per_row or not has_lora):
+            self.graphs.replay(bucket, with_lora=per_row, stores_first=stores_first)
+            return
+        ids, positions, tables = decode_views(s, b)  # on the CPU, or adapters run grouped:
+        if per_row:  #                                 eagerly
+            self.forward.decode(b, ids, positions, tables, capture,
+                                lora_slots=decode_adapters(s, b), stores_first=stores_first)
+        else:
+            self.forward.decode(b, ids, positions, tables, capture,
+                                self._lora_groups(adapters, [1] * b),
+                                stores_first=stores_first)
 
     def _verify_as_decodes(self, rows: Sequence[Row], plan: EnginePlan) -> int | None:
         """The bucket in which a step of verify rows and one-token rows runs as one decode
@@ -246,13 +250,21 @@ class TorchSteps(Engine):
         then the K positions before it of each verify row, in row order. Greedy verify picks
         are copied to `verify_ids` before a later step can overwrite `next_ids`."""
         n = len(rows)
-        drows = [DecodeRow(_token(r, r.length - 1), r.end - 1, r.pages, adapter=r.adapter)
-                 for r in rows]
+        ids = [_token(r, r.length - 1) for r in rows]
+        positions = [r.end - 1 for r in rows]
+        tables = [r.pages for r in rows]
+        adapters = [r.adapter for r in rows]
         for r in rows:
-            drows += [DecodeRow(r.tokens[j], r.start + j, r.pages, adapter=r.adapter)
-                      for j in range(r.verify)]
-        self._stage_decode(drows, bucket, feeds)
-        self._decode(drows, bucket, stores_first=True)
+            if r.verify:
+                k = r.verify
+                ids += r.tokens[:k]
+                positions += range(r.start, r.start + k)
+                tables += [r.pages] * k
+                adapters += [r.adapter] * k
+        self.stager.stage_columns(ids, positions, adapters, tables, bucket)
+        if feeds:
+            self.picks.feed(self.state.inputs[:len(ids)])
+        self._run_decode(bucket, adapters, capture=False, stores_first=True)
         s, offset = self.state, 0  # offset: of the row's K positions, after row n-1
         for i, r in enumerate(rows):
             k = r.verify

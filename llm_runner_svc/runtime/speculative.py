@@ -44,7 +44,8 @@ class SpecConfig:
     confidence_threshold: float = 0.0  # a draft stops proposing when its top probability
     # falls below this (dspark_scheduler "threshold"); 0 = always K tokens
     max_batch: int = 0  # no proposals in a step where more requests decode (0: no limit): at
-    # load a verify row costs 2-3.4x a decode row on the GPU, more than acceptance returns
+    # load a verify row's K + 1 positions cost more than a decode row's one, which low
+    # acceptance does not return
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

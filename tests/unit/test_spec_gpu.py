@@ -1,5 +1,6 @@
 """Speculative decoding on a CUDA GPU with the torch engine (CUDA graphs, Triton kernels):
-verify rows through the captured prefill graphs and the head over their proposed positions.
+verify rows as decode rows of the decode graphs' verify variants (torch_steps.py), or through
+the captured prefill graphs where a step also prefills.
 
 float32 on the GPU gives plain greedy decoding's tokens exactly with every proposer (ngram,
 self, draft), alone and in a mixed batch beside plain requests, every page back in both
