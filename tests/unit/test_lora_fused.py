@@ -137,7 +137,7 @@ def test_fused_decode_step_with_terms_matches_the_unfused_one(stories, adapters,
 
     cfg = stories.config
     plan = EnginePlan(max_batch=4, max_seq=8, page_size=4, num_pages=8, prefill_chunk=8)
-    state = allocate_state(cfg, plan, 4, CPU, torch.float32, has_wide_scratch=False,
+    state = allocate_state(cfg, plan, CPU, torch.float32, has_wide_scratch=False,
                            fused_rows=4)
     ops = TorchOps(cfg, plan.page_size)
     ops.products = FusedProducts(cfg.rms_eps)
