@@ -24,7 +24,8 @@ fi
 if [ "${TTFT:-1}" = 1 ]; then
     for sk in 1 0; do
         timeout 200 python3 benchmarks/bench_prefix_cache.py --engine torch \
-            --shape qwen2.5-7b --rounds 5 --timeline --skinny-products $sk ${TTFT_ARGS:-} \
+            --shape qwen2.5-7b --rounds 5 --timeline --skinny-products $sk \
+            $([ $sk = 1 ] && echo --gpu-profile) ${TTFT_ARGS:-} \
             2>&1 | tee "$OUT/bench_prefix_cache_skinny$sk.txt"
         [ "${PIPESTATUS[0]}" = 0 ] || rc=1
     done
