@@ -22,7 +22,8 @@ and read back, as a speculative step is):
     in the JSON); in float32 the GPU tests show both are the same;
   - (b) draft: a model of the 0.5B shape with the 7B vocabulary proposing for the 7B
     target: its one-token step and its two-token catch-up step (the tokens the last verify
-    accepted), so one proposal round of K tokens costs catch-up + (K - 1) steps;
+    accepted; decode rows of its decode graph's verify variant, as verify rows run), so one
+    proposal round of K tokens costs catch-up + (K - 1) steps;
   - (c) self: the target's first 1/4 of the layers and its head as the draft (sharing the
     target's weights), costed the same way.
 Per round, the figures give the speedup at acceptance 1.0 (K + 1 tokens per target step):
@@ -234,10 +235,9 @@ def main() -> None:
     ps, pages = plan.page_size, plan.num_pages
     draft = TorchEngine(draft_config, random_weights(draft_config, device, dtype, seed=1),
                         device=device)
-    draft_plan = dataclasses.replace(plan, verify_tokens=0)  # drafts verify nothing
-    draft.preallocate(draft_plan)
-    skip = first_layers(target, max(1, config.num_layers // 4))
-    skip.preallocate(draft_plan)
+    draft.preallocate(plan)  # (as DraftProposer does: the plan's K lets a catch-up row of up
+    skip = first_layers(target, max(1, config.num_layers // 4))  # to K + 1 tokens run as
+    skip.preallocate(plan)  #                                      decode rows)
     print(f"# engines built and captured in {time.perf_counter() - t0:.1f} s "
           f"(target {args.target if not args.smoke else 'tiny'}, {config.num_layers} layers; "
           f"draft {draft_config.num_layers} layers; self {skip.config.num_layers} layers)",

@@ -11,12 +11,13 @@ made in `read` after the next step is launched (torch_picks.py).
 
 A verify row (speculative decoding: the last accepted token and K proposed ones) runs as K + 1
 decode rows of its sequence, at positions p .. p + K on its page table, when the step holds
-no prefill chunk (`_verify_as_decodes`): the whole step is one decode step (on CUDA the
+no prefill chunk (`_as_decode_rows`; a row of up to the plan's K + 1 tokens, a draft's
+catch-up row say, runs so too): the whole step is one decode step (on CUDA the
 captured verify variant of the smallest bucket that holds its rows, torch_graphs.py), whose
 decode attention lets row j see positions up to p + j, and whose head and argmax give the
 logits and greedy pick after every position. Its rows are laid out so that rows 0 .. n-1 are
 the batch rows' last positions (their logits and picks where every step leaves them) and the
-verify rows' first K positions follow. Otherwise (a prefill chunk in the step, LoRA rows on
+longer rows' other positions follow. Otherwise (a prefill chunk in the step, LoRA rows on
 CUDA, more rows than the largest bucket) verify rows run with the prefill rows, from a
 captured prefill graph for a short pass on CUDA, and right after its pass the head turns the
 residuals of its K positions before the last into logits. Either way greedy rows take their
@@ -155,9 +156,9 @@ class TorchSteps(Engine):
         self._verified: list[list[int] | None] = [None] * n
         self._on_device: list[tuple[int, int, int]] = []
         self._headed: set[int] = set()  # batch rows whose logits a verify head wrote
-        verify_bucket = self._verify_as_decodes(rows, plan) if d < n else None
+        verify_bucket = self._as_decode_rows(rows, plan) if d < n else None
         if verify_bucket is not None:
-            self._verify_decodes(rows, verify_bucket, feeds)
+            self._decode_rows(rows, verify_bucket, feeds)
             d = n
         else:
             decodes = [DecodeRow(_token(r, 0), r.start, r.pages, r.capture_hidden, r.adapter)
@@ -225,17 +226,17 @@ class TorchSteps(Engine):
                                 self._lora_groups(adapters, [1] * b),
                                 stores_first=stores_first)
 
-    def _verify_as_decodes(self, rows: Sequence[Row], plan: EnginePlan) -> int | None:
-        """The bucket in which a step of verify rows and one-token rows runs as one decode
-        step (K + 1 rows per verify row); None when it runs with prefill passes instead: a
-        row that is neither (a prefill chunk), a row capturing hidden states or reading
-        input embeddings, adapter rows where the verify variants hold no LoRA products
-        (CUDA), more rows than the largest verify bucket (CUDA) or than the decode buffers
-        (`EnginePlan.max_decode_rows`)."""
+    def _as_decode_rows(self, rows: Sequence[Row], plan: EnginePlan) -> int | None:
+        """The bucket in which a step of verify rows, rows of up to the plan's K + 1 tokens
+        (`EnginePlan.verify_tokens`) and one-token rows runs as one decode step, a decode
+        row per position; None when it runs with prefill passes instead: a longer row (a
+        prompt chunk), a row capturing hidden states or reading input embeddings, adapter
+        rows where the verify variants hold no LoRA products (CUDA), more rows than the
+        largest verify bucket (CUDA) or than the decode buffers (`max_decode_rows`)."""
         total = 0
         for r in rows:
-            if r.length > 1 and (r.length != r.verify + 1 or r.capture_hidden
-                                 or any(e.end > r.start for e in r.embeds)):
+            if r.length > 1 and (r.length > 1 + max(r.verify, plan.verify_tokens)
+                                 or r.capture_hidden or any(e.end > r.start for e in r.embeds)):
                 return None
             if self.graphs is not None and r.adapter:
                 return None
@@ -244,40 +245,41 @@ class TorchSteps(Engine):
             return self.graphs.verify_bucket_for(total)
         return total if total <= plan.max_decode_rows else None
 
-    def _verify_decodes(self, rows: Sequence[Row], bucket: int, feeds: bool) -> None:
-        """Every row of the step as decode rows, in one decode step of `bucket` rows: first
-        each row's last position (so logits and picks rows 0 .. n-1 are the batch rows'),
-        then the K positions before it of each verify row, in row order. Greedy verify picks
-        are copied to `verify_ids` before a later step can overwrite `next_ids`."""
+    def _decode_rows(self, rows: Sequence[Row], bucket: int, feeds: bool) -> None:
+        """Every position of the step as a decode row, in one decode step of `bucket` rows:
+        first each row's last position (so logits and picks rows 0 .. n-1 are the batch
+        rows'), then the positions before it of each longer row, in row order (a verify
+        row's K verified positions are its last K of those). Greedy verify picks are copied
+        to `verify_ids` before a later step can overwrite `next_ids`."""
         n = len(rows)
         ids = [_token(r, r.length - 1) for r in rows]
         positions = [r.end - 1 for r in rows]
         tables = [r.pages for r in rows]
         adapters = [r.adapter for r in rows]
         for r in rows:
-            if r.verify:
-                k = r.verify
-                ids += r.tokens[:k]
-                positions += range(r.start, r.start + k)
-                tables += [r.pages] * k
-                adapters += [r.adapter] * k
+            if r.length > 1:
+                m = r.length - 1
+                ids += r.tokens[:m]
+                positions += range(r.start, r.start + m)
+                tables += [r.pages] * m
+                adapters += [r.adapter] * m
         self.stager.stage_columns(ids, positions, adapters, tables, bucket)
         if feeds:
             self.picks.feed(self.state.inputs[:len(ids)])
         self._run_decode(bucket, adapters, capture=False, stores_first=True)
-        s, offset = self.state, 0  # offset: of the row's K positions, after row n-1
+        s, end = self.state, 0  # end: of the row's other positions, after row n-1
         for i, r in enumerate(rows):
+            end += r.length - 1
             k = r.verify
             if k and r.sample is not None:
                 if r.sample.is_greedy:
-                    self._on_device.append((i, offset, k))
+                    self._on_device.append((i, end - k, k))
                 else:
                     self._verified[i] = verify_picks(
-                        _host_copy(s.logits[n + offset:n + offset + k]), r.verify_samples,
-                        r.tokens[1:])
-            offset += k
+                        _host_copy(s.logits[n + end - k:n + end]), r.verify_samples,
+                        r.tokens[-k:])
         if self._on_device:
-            self.picks.verify_ids.view(-1)[:offset].copy_(s.next_ids[n:n + offset])
+            self.picks.verify_ids.view(-1)[:end].copy_(s.next_ids[n:n + end])
 
     def _prefill(self, rows: Sequence[Row], first: int, feeds: bool
                  ) -> list[HiddenStates | None]:

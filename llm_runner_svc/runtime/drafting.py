@@ -48,10 +48,11 @@ class DraftProposer:
         self._seqs: dict[str, _DraftSeq] = {}
 
     def preallocate(self, plan: EnginePlan) -> None:
-        """The draft's buffers, for the target's plan (as many pages, no hidden states)."""
+        """The draft's buffers, for the target's plan (as many pages, no hidden states; its
+        K, so that a catch-up row of up to K + 1 tokens may run as decode rows)."""
         self.engine.preallocate(EnginePlan(
             plan.max_batch, plan.max_seq, plan.page_size, plan.num_pages, plan.prefill_chunk,
-            None, plan.step_tokens))
+            None, plan.step_tokens, plan.verify_tokens))
         self.pool = PagePool(plan.num_pages, plan.page_size)
 
     def close(self) -> None:

@@ -119,6 +119,29 @@ def test_verify_rows_as_decode_rows_match_the_prefill_path_on_triton_kernels(sto
         _same_as_prefill_path(stories, "triton")
 
 
+def test_a_short_row_runs_as_decode_rows_too(stories):
+    """A row of up to the plan's K + 1 tokens that verifies nothing (a draft's catch-up
+    row): the same pick, logits and KV as through a prefill pass."""
+    def steps(eng):
+        a, b, _ = _prompts(eng, by_decodes=False)
+        calls = []
+        decode = eng.forward.decode
+        eng.forward.decode = lambda *args, **kw: calls.append(kw.get("stores_first")) or \
+            decode(*args, **kw)
+        out = eng.read(eng.launch(Batch([Row((a,), 10, PAGES[0], GREEDY),
+                                         Row((b, 21), 5, PAGES[1], GREEDY)])))
+        logits = eng.logits(2)
+        eng.read(eng.launch(Batch([Row((int(out.picks[0]),), 11, PAGES[0], GREEDY),
+                                   Row((int(out.picks[1]),), 7, PAGES[1], GREEDY)])))
+        return list(out.picks), logits, eng.logits(2), calls.count(True)
+
+    old, new = steps(_engine(stories, "torch", 0)), steps(_engine(stories, "torch", 2))
+    assert (old[3], new[3]) == (0, 1)
+    assert new[0] == old[0]
+    np.testing.assert_allclose(new[1], old[1], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(new[2], old[2], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_verify_rows_as_decode_rows_match_the_prefill_path_on_gpu(stories, monkeypatch):
     """On CUDA, float32: the verify variant of the decode graphs against the prefill
