@@ -14,7 +14,8 @@ beside them: a mixed batch of b rows reads min(b, N) adapters on top of the weig
 Before the table, one line per batch of the LoRA kernels alone (ms per launch, CUDA events,
 layer 0, every row on a different adapter): at batch 1 the per-row shrink (normed for
 q/k/v and gate/up, as the fused products take it) and expand, and the fused q/k/v and down
-products with and without the term inside; at larger batches the grouped shrink and expand.
+products with and without the term inside; at larger batches the grouped shrink and expand
+(gate/up's expand always with the SiLU gate, as the unfused products run it).
 
 Usage: python benchmarks/bench_lora_gpu.py [--shape qwen2.5-7b] [--batches 1,8,32] [--rank 16]
                                            [--adapters 8] [--position 128] [--json FILE]
@@ -61,24 +62,35 @@ def replay_ms(engine: TorchEngine, slots: list[int], position: int, reps: int) -
 
 def _matrix_ms(lora: TorchLora, m: str, x: torch.Tensor, norm: torch.Tensor | None,
                idx: torch.Tensor, reps: int) -> dict[str, float]:
-    """ms per launch of matrix m's shrink and expand in layer 0 for rows x on adapters idx."""
+    """ms per launch of matrix m's shrink and expand in layer 0 for rows x on adapters idx
+    (gate/up's expand: with the SiLU gate, as the unfused products run it)."""
     from llm_runner_svc.engines import torch_lora_triton as kernels
 
     b, dev = x.shape[0], x.device
     a, bt = lora.a[m][0], lora.b[m][0]
     t = torch.zeros(b, a.shape[2], device=dev)
-    dest = torch.zeros(b, bt.shape[2], device=dev)
+    dest = torch.zeros(b, bt.shape[2], device=dev, dtype=torch.bfloat16)
+    act = torch.zeros(b, bt.shape[2] // 2, device=dev, dtype=torch.bfloat16)
     starts = lora.starts(m)
     if b <= PER_ROW_ROWS:
-        return {f"{m} shrink": gpu_paths.event_ms(lambda: kernels.shrink(
-                    x, a, idx, t, norm, lora.cfg.rms_eps), reps=reps, warmup=3),
-                f"{m} expand": gpu_paths.event_ms(lambda: kernels.expand(
-                    t, bt, idx, dest, starts), reps=reps, warmup=3)}
-    h = x.to(torch.bfloat16)  # the cuBLAS products' bf16 inputs
-    return {f"{m} shrink": gpu_paths.event_ms(lambda: kernels.grouped_shrink(
-                h, a, idx, t), reps=reps, warmup=3),
-            f"{m} expand": gpu_paths.event_ms(lambda: kernels.grouped_expand(
-                t, bt, idx, dest, starts, len(lora.bounds[m]) - 1), reps=reps, warmup=3)}
+        def shrink() -> None:
+            kernels.shrink(x, a, idx, t, norm, lora.cfg.rms_eps)
+    else:
+        h = x.to(torch.bfloat16)  # the cuBLAS products' bf16 inputs
+
+        def shrink() -> None:
+            kernels.grouped_shrink(h, a, idx, t)
+
+    def expand() -> None:
+        if m == "gate_up":
+            kernels.expand_gate(t, bt, idx, dest, act)
+        elif b <= PER_ROW_ROWS:
+            kernels.expand(t, bt, idx, dest, starts)
+        else:
+            kernels.grouped_expand(t, bt, idx, dest, starts, len(lora.bounds[m]) - 1)
+
+    return {f"{m} shrink": gpu_paths.event_ms(shrink, reps=reps, warmup=3),
+            f"{m} expand": gpu_paths.event_ms(expand, reps=reps, warmup=3)}
 
 
 def kernel_ms(lora: TorchLora, engine: TorchEngine, b: int, reps: int) -> dict[str, float]:

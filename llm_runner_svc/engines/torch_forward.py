@@ -214,9 +214,12 @@ class Forward:
             else:
                 ops.rms_norm(x, lw.ffn_norm, h)
                 self._product(h, lw.gate_up, None, s.gate_up[:n], skinny)
-                if adapters is not None:
-                    add_lora(li, "gate_up", h, s.gate_up[:n])
-                ops.silu_mul(s.gate_up[:n], act)
+                if adapters is not None and lora_slots is not None and adapters.fuses_gate:
+                    adapters.gate_rows(li, h, s.gate_up[:n], act, lora_slots)
+                else:
+                    if adapters is not None:
+                        add_lora(li, "gate_up", h, s.gate_up[:n])
+                    ops.silu_mul(s.gate_up[:n], act)
             if down_fused:
                 assert products is not None
                 products.accumulate(act, lw.down, x, term(li, "down", act))

@@ -16,7 +16,8 @@ Two ways to run the products, both adding onto the base product of the same rows
     PER_ROW_ROWS rows gathers each row's adapter (shrink into the float32 scratch t, then
     expand), a larger one runs kernels that group rows by adapter, reading each adapter
     once for all its rows; "gather": torch products over each row's gathered matrices (the
-    reference of the same path on any device).
+    reference of the same path on any device). On the unfused products, "triton" adds
+    gate/up's term and applies the SiLU gate in one kernel (`gate_rows`).
 A decode step of a row or few on the fused products keeps them (Forward.layers): `shrink_rows`
 fills t (norming the residual stream first for q/k/v and gate/up, as the product does) and
 the product adds each row's t @ B^T inside its epilogue (`LoraTerm`).
@@ -192,6 +193,25 @@ class TorchLora:
         t = self._scratch(layer, matrix, x.shape[0])
         shrink(x, self.a[matrix][layer], idx, t, norm, self.cfg.rms_eps)
         return LoraTerm(t, self.b[matrix][layer], idx, self.starts(matrix), self.rank)
+
+    @property
+    def fuses_gate(self) -> bool:
+        """Whether `gate_rows` can stand for `add_rows` on gate/up and the SiLU gate."""
+        return self.kernel == "triton" and self.num_slots > 0
+
+    def gate_rows(self, layer: int, x: torch.Tensor, gate_up: torch.Tensor, out: torch.Tensor,
+                  idx: torch.Tensor) -> None:
+        """out [n, F] = silu(g) * u for [g | u] = gate_up [n, 2F] + each row's gate/up LoRA
+        term of x [n, in]: the expand and the SiLU gate in one kernel."""
+        from llm_runner_svc.engines import torch_lora_triton as kernels
+
+        n = x.shape[0]
+        t = self._scratch(layer, "gate_up", n)
+        if n <= PER_ROW_ROWS:
+            self.shrink_rows(layer, "gate_up", x, idx)
+        else:
+            kernels.grouped_shrink(x, self.a["gate_up"][layer], idx, t)
+        kernels.expand_gate(t, self.b["gate_up"][layer], idx, gate_up, out)
 
     def add_rows(self, layer: int, matrix: str, x: torch.Tensor, out: torch.Tensor,
                  idx: torch.Tensor) -> None:

@@ -15,6 +15,9 @@ rank columns of the module, q/k/v or gate/up, it belongs to); rows on slot 0 rea
     of 16 rows that holds one of the slot's rows (the others masked out, reading nothing),
     so a step reads each adapter present once instead of once per row. No sorting or
     staging: a slot with no rows in the step costs its programs a scan of the slots.
+gate/up's expand on the unfused products also applies the SiLU gate (`expand_gate`, grouped
+the same way, the base model's rows in slot 0's programs), which saves a launch and the
+round trip of the bf16 gate/up output.
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ def _has_rows(idx_ptr, n_rows, slot, BLOCK_M: tl.constexpr):
     count = tl.sum(tl.zeros([BLOCK_M], tl.int32), axis=0)  # int32: the loop adds to it
     for m0 in range(0, n_rows, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
-        mine = tl.load(idx_ptr + rows, mask=rows < n_rows, other=0) == slot
+        mine = tl.load(idx_ptr + rows, mask=rows < n_rows, other=-1) == slot
         count += tl.sum(mine.to(tl.int32), axis=0)
     return count > 0
 
@@ -119,7 +122,7 @@ def grouped_shrink_kernel(x_ptr, x_stride, a_ptr, a_slot_stride, idx_ptr, t_ptr,
                     mask=kmask[:, None] & (rs[None, :] < R), other=0.0)  # [BLOCK_K, BLOCK_R]
         for m0 in range(0, n_rows, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
-            mine = tl.load(idx_ptr + rows, mask=rows < n_rows, other=0) == slot
+            mine = tl.load(idx_ptr + rows, mask=rows < n_rows, other=-1) == slot
             if tl.sum(mine.to(tl.int32), axis=0) > 0:
                 x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + ks[None, :],
                             mask=mine[:, None] & kmask[None, :], other=0.0).to(tl.float32)
@@ -148,7 +151,7 @@ def grouped_expand_kernel(t_ptr, t_stride, b_ptr, b_slot_stride, idx_ptr, out_pt
                     + cols[None, :], mask=jmask[:, None] & cmask[None, :], other=0.0)
         for m0 in range(0, n_rows, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
-            mine = tl.load(idx_ptr + rows, mask=rows < n_rows, other=0) == slot
+            mine = tl.load(idx_ptr + rows, mask=rows < n_rows, other=-1) == slot
             if tl.sum(mine.to(tl.int32), axis=0) > 0:
                 acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 for j in tl.static_range(NUM_MODULES):
@@ -160,6 +163,44 @@ def grouped_expand_kernel(t_ptr, t_stride, b_ptr, b_slot_stride, idx_ptr, out_pt
                 omask = mine[:, None] & cmask[None, :]
                 o = tl.load(out_ptr + offs, mask=omask, other=0.0).to(tl.float32)
                 tl.store(out_ptr + offs, (o + acc).to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def expand_gate_kernel(gu_ptr, gu_stride, t_ptr, t_stride, b_ptr, b_slot_stride, idx_ptr,
+                       out_ptr, out_stride, n_rows, F, r: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
+    """Grid (slots + 1, cdiv(F, BLOCK_N)): the expand of gate/up and the SiLU gate in one.
+    Slot program_id(0) (0: the base model, whose B^T is zeros) reads its B^T tiles of
+    gate columns and of up columns once, and for each block of rows holding one of its
+    rows adds their terms to gate_up [n, 2F] as it loads it, writing silu(gate) * up to out
+    [n, F]: every row is written by its own slot's program."""
+    slot = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    js = tl.arange(0, BLOCK_R)
+    cmask = cols < F
+    if _has_rows(idx_ptr, n_rows, slot, BLOCK_M):
+        bmask = (js[:, None] < tl.where(slot != 0, r, 0)) & cmask[None, :]
+        b_tile = (b_ptr + slot.to(tl.int64) * b_slot_stride + js[:, None] * (2 * F)
+                  + cols[None, :])
+        b_gate = tl.load(b_tile, mask=bmask, other=0.0)  # [BLOCK_R, BLOCK_N]
+        b_up = tl.load(b_tile + F, mask=bmask, other=0.0)
+        for m0 in range(0, n_rows, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            mine = tl.load(idx_ptr + rows, mask=rows < n_rows, other=-1) == slot
+            if tl.sum(mine.to(tl.int32), axis=0) > 0:
+                tmask = mine[:, None] & (js[None, :] < r)
+                t_rows = t_ptr + rows[:, None] * t_stride + js[None, :]
+                t_gate = tl.load(t_rows, mask=tmask, other=0.0)  # [BLOCK_M, BLOCK_R]
+                t_up = tl.load(t_rows + r, mask=tmask, other=0.0)
+                omask = mine[:, None] & cmask[None, :]
+                gu_rows = gu_ptr + rows[:, None].to(tl.int64) * gu_stride + cols[None, :]
+                g = tl.load(gu_rows, mask=omask, other=0.0).to(tl.float32)
+                u = tl.load(gu_rows + F, mask=omask, other=0.0).to(tl.float32)
+                g = _dot(t_gate, b_gate, g, IEEE)
+                u = _dot(t_up, b_up, u, IEEE)
+                y = g / (1.0 + tl.exp(-g)) * u
+                tl.store(out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :],
+                         y.to(out_ptr.dtype.element_ty), mask=omask)
 
 def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
@@ -217,3 +258,15 @@ def grouped_expand(t: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, out: tor
         bounds[1], r=r, NUM_MODULES=num_modules, BLOCK_M=GROUP_ROWS,
         BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=_pow2(r), IEEE=b.dtype == torch.float32,
         num_warps=4)
+
+
+def expand_gate(t: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
+                out: torch.Tensor) -> None:
+    """out [n, F] = silu(g) * u where [g | u] = gate_up [n, 2F] + t @ b[idx] (the gate
+    and up modules' rank columns of t [n, 2 r] onto their columns), in float32."""
+    n, f = out.shape
+    r = b.shape[1]
+    expand_gate_kernel[(b.shape[0], triton.cdiv(f, EXPAND_BLOCK_N))](
+        gate_up, gate_up.stride(0), t, t.stride(0), b, b.stride(0), idx, out, out.stride(0),
+        n, f, r=r, BLOCK_M=GROUP_ROWS, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=_pow2(r),
+        IEEE=b.dtype == torch.float32, num_warps=4)

@@ -6,8 +6,10 @@ CPU interpreter in float32, against the grouped torch products (torch_lora.py):
   mix the base model and several adapters; the shrink must norm its input as the product
   does and the gate/up term must go in before the SiLU, which the test shows it would
   notice;
-- a whole decode step of the forward with fused products and the terms inside them
-  against the same step unfused with the grouped products.
+- gate/up's expand and SiLU gate in one kernel (the unfused products' path);
+- a whole decode step of the forward with fused products and the terms inside them, and
+  one unfused with the per-row and the grouped kernels, against the same step unfused with
+  the grouped products.
 The same paths in bf16 on a GPU: tests/unit/test_lora_gpu.py.
 """
 
@@ -111,50 +113,90 @@ def test_fused_products_add_each_rows_term(stories, adapters, matrix, n, request
         assert not _close(other[on_adapter], want[on_adapter])
 
 
-def _step(stories, forward: Forward, slots: list[int], fused: bool) -> torch.Tensor:
-    """Logits [n, vocab] of one decode step at position 0 of rows on adapter `slots`: with
-    the per-row terms (fused products when `fused`), else by the grouped products."""
+def _step(forward: Forward, slots: list[int], per_row: bool, fused: bool) -> torch.Tensor:
+    """Logits [n, vocab] of one decode step at position 0 of rows on adapter `slots`: by
+    each row's slot on the device (`per_row`; on the fused products when `fused`), else by
+    the grouped products (unfused)."""
     n = len(slots)
     forward.fused_rows = 4 if fused else 0
     ids = torch.tensor([7 + 5 * i for i in range(n)], dtype=torch.int32)
     positions = torch.zeros(n, dtype=torch.int32)
-    tables = torch.arange(n, dtype=torch.int32)[:, None] * 2 + torch.arange(2)[None, :]
+    tables = (torch.arange(n)[:, None] * 2 + torch.arange(2)[None, :]).int()
     assert forward.lora is not None
-    if fused:
-        forward.decode(n, ids, positions, tables.int(), False,
+    if per_row:
+        forward.decode(n, ids, positions, tables, False,
                        lora_slots=torch.tensor(slots, dtype=torch.int32))
     else:
-        forward.decode(n, ids, positions, tables.int(), False,
-                       forward.lora.groups(slots, [1] * n))
+        forward.decode(n, ids, positions, tables, False, forward.lora.groups(slots, [1] * n))
     return forward.s.logits[:n].clone()
 
 
-def test_fused_decode_step_with_terms_matches_the_unfused_one(stories, adapters, request,
-                                                              monkeypatch):
-    if rerun_interpreted(request):
-        return
+@pytest.fixture
+def forward(stories, adapters) -> Forward:
+    """A float32 CPU forward whose ops have the fused products (run by the interpreter)."""
     from llm_runner_svc.engines.torch_triton_products import FusedProducts
 
     cfg = stories.config
-    plan = EnginePlan(max_batch=4, max_seq=8, page_size=4, num_pages=8, prefill_chunk=8)
+    plan = EnginePlan(max_batch=6, max_seq=8, page_size=4, num_pages=12, prefill_chunk=8)
     state = allocate_state(cfg, plan, CPU, torch.float32, has_wide_scratch=False,
                            fused_rows=4)
     ops = TorchOps(cfg, plan.page_size)
     ops.products = FusedProducts(cfg.rms_eps)
-    lora = _lora(cfg, adapters, "triton")
-    forward = Forward(cfg, load_weights(stories.weights, cfg, CPU, torch.float32), ops, state,
-                      None, plan.page_size, True, lora=lora)
+    return Forward(cfg, load_weights(stories.weights, cfg, CPU, torch.float32), ops, state,
+                   None, plan.page_size, True, lora=_lora(cfg, adapters, "triton"))
+
+
+def test_fused_decode_step_with_terms_matches_the_unfused_one(adapters, request, forward,
+                                                              monkeypatch):
+    if rerun_interpreted(request):
+        return
     slots = ROWS[4]
-    want = _step(stories, forward, slots, fused=False)
-    got = _step(stories, forward, slots, fused=True)
+    want = _step(forward, slots, per_row=False, fused=False)
+    got = _step(forward, slots, per_row=True, fused=True)
     assert _close(got, want)
-    base = _step(stories, forward, [0] * 4, fused=True)
+    base = _step(forward, [0] * 4, per_row=True, fused=True)
     assert torch.equal(got[0], base[0])
     assert not _close(got[1:], base[1:])
+    lora = forward.lora
+    assert lora is not None
     shrink = lora.shrink_rows  # a shrink that forgets the norm gives another step
 
     def unnormed(layer, matrix, x, idx, norm=None):
         return shrink(layer, matrix, x, idx)
 
     monkeypatch.setattr(lora, "shrink_rows", unnormed)
-    assert not _close(_step(stories, forward, slots, fused=True)[1:], want[1:])
+    assert not _close(_step(forward, slots, per_row=True, fused=True)[1:], want[1:])
+
+
+@pytest.mark.parametrize("slots", [[2, 0, 3], [1, 0, 3, 3, 2, 1]])
+def test_unfused_decode_step_by_row_slots_matches_the_grouped_one(adapters, request, forward,
+                                                                  slots):
+    """cuBLAS products with per-row (3 rows) or grouped (6 rows) kernels, gate/up's term
+    and SiLU gate in one kernel."""
+    if rerun_interpreted(request):
+        return
+    want = _step(forward, slots, per_row=False, fused=False)
+    got = _step(forward, slots, per_row=True, fused=False)
+    assert _close(got, want)
+
+
+@pytest.mark.parametrize("slots", [[3], [0, 1, 3, 1, 0, 2, 2],
+                                   [(i * 7) % 5 % 4 for i in range(37)]])
+def test_gate_rows_add_the_terms_before_the_silu_gate(stories, adapters, request, slots):
+    if rerun_interpreted(request):
+        return
+    cfg = stories.config
+    lora, grouped = _lora(cfg, adapters, "triton"), _lora(cfg, adapters, "grouped")
+    lora.reserve(len(slots))
+    n, f = len(slots), cfg.intermediate_size
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, cfg.hidden_size, generator=gen)
+    gate_up = torch.randn(n, 2 * f, generator=gen)
+    got = torch.empty(n, f)
+    lora.begin_rows(n)
+    lora.gate_rows(2, x, gate_up, got, torch.tensor(slots, dtype=torch.int32))
+    want = gate_up.clone()
+    grouped.add(2, "gate_up", x, want, grouped.groups(slots, [1] * n))
+    assert _close(got, _silu_gate(want))
+    on_adapter = [i for i, k in enumerate(slots) if k]
+    assert not _close(got[on_adapter], _silu_gate(gate_up)[on_adapter])
