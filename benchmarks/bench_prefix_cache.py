@@ -256,8 +256,6 @@ def main() -> None:
                     help="the torch engine's option (default: the engine's)")
     ap.add_argument("--split-prefill-keys", type=int, choices=(0, 1), default=None,
                     help="the torch engine's option (default: the engine's)")
-    ap.add_argument("--skinny-products", type=int, choices=(0, 1), default=None,
-                    help="the torch engine's option (default: the engine's)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="cold/reuse rounds, the median reported (default 5 on torch, else 1)")
     ap.add_argument("--gpu-profile", action="store_true",
@@ -268,8 +266,7 @@ def main() -> None:
     if args.engine == "torch":
         options = {k: v for k, v in (("fused_prefill_rows", args.fused_prefill_rows),
                                      ("prefill_graph_tokens", args.prefill_graph_tokens),
-                                     ("split_prefill_keys", args.split_prefill_keys),
-                                     ("skinny_products", args.skinny_products))
+                                     ("split_prefill_keys", args.split_prefill_keys))
                    if v is not None}
         model, engine = torch_model(args.shape, **options)
         where = f"{args.shape} (random bf16 weights) on the torch engine, CUDA {options}"

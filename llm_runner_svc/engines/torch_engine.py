@@ -86,7 +86,7 @@ class TorchEngine(TorchSteps):
                  fused_prefill_rows: int | None = None,
                  mixed_steps: str = "split",
                  prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS,
-                 split_prefill_keys: bool = True, skinny_products: bool = True,
+                 split_prefill_keys: bool = True,
                  adapters: Sequence[LoraAdapter] = ()) -> None:
         """`dtype`: "float32" or "bfloat16" (default: bf16 on CUDA, float32 on the CPU).
         `kernels`: "triton" (the CUDA default: fused kernels, decode steps as CUDA graphs), or
@@ -106,8 +106,6 @@ class TorchEngine(TorchSteps):
         `split_prefill_keys`: with triton kernels, short prefill passes (after a long cached
         prefix, say) spread each query block's keys over several programs and combine them
         (torch_triton_prefill.py); False: one program per block and head.
-        `skinny_products`: with triton kernels, the cuBLAS products of prefill passes of up
-        to 64 tokens run on split-K kernels instead (torch_triton_skinny.py).
         `adapters`: the LoRA adapters a row may name (row adapter k: `adapters[k - 1]`);
         on CUDA, decode batches with such rows replay their own graphs, which add each
         row's adapter from stacked slot buffers (torch_lora_triton.py; at batch 1 inside
@@ -134,7 +132,6 @@ class TorchEngine(TorchSteps):
         self.mixed_steps = mixed_steps
         self.prefill_graph_tokens = max(0, prefill_graph_tokens)
         self.split_prefill_keys = split_prefill_keys
-        self.skinny_products = skinny_products
         self.fused_rows = fused_rows
         self.fused_prefill_rows = fused_prefill_rows
         self.weights = weights if isinstance(weights, TorchWeights) else load_weights(
@@ -173,8 +170,7 @@ class TorchEngine(TorchSteps):
 
             num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                        if self.device.type == "cuda" else 1)
-            ops = TritonOps(c, plan.page_size, num_sms, has_fused, self.split_prefill_keys,
-                            self.skinny_products and self.dtype == torch.bfloat16)
+            ops = TritonOps(c, plan.page_size, num_sms, has_fused, self.split_prefill_keys)
             self._bytes += ops.reserve(plan.max_decode_rows, plan.max_seq, self.device)
         self.forward = Forward(c, self.weights, ops, self.state, plan.hidden_layer,
                                plan.page_size, has_f32, self.fused_rows,

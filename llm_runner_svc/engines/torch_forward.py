@@ -69,22 +69,8 @@ class Forward:
         self._ropes = [Rope(state.cos, state.sin, lw.q_norm, lw.k_norm) for lw in weights.layers]
 
     # ---- products --------------------------------------------------------------------
-    def _product(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                 out: torch.Tensor, skinny: bool) -> None:
-        """out [n, out] = a [n, in] @ w[out, in].T (+ bias), in the weights' dtype; on the
-        split-K kernels when `skinny` and they take it (torch_triton_skinny.py)."""
-        if skinny and self.ops.skinny.product(a, w, out, bias):
-            return
-        if bias is not None:
-            torch.addmm(bias, a, w.t(), out=out)
-        else:
-            torch.mm(a, w.t(), out=out)
-
-    def _accumulate(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor,
-                    skinny: bool = False) -> None:
+    def _accumulate(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> None:
         """x [n, out] float32 += a [n, in] @ w[out, in].T"""
-        if skinny and self.ops.skinny.product(a, w, x, accumulate=True):
-            return
         if a.dtype == torch.float32:
             torch.addmm(x, a, w.t(), out=x)
         elif self.has_f32_products:
@@ -141,8 +127,7 @@ class Forward:
 
     def layers(self, n: int, positions: torch.Tensor, slots: torch.Tensor | None,
                attend: Attend, capture: bool, fused: Callable[[torch.Tensor, int], bool],
-               lora: TorchGroups = (), lora_slots: torch.Tensor | None = None,
-               skinny: bool = False) -> None:
+               lora: TorchGroups = (), lora_slots: torch.Tensor | None = None) -> None:
         """Every decoder layer over residual rows 0..n-1 at `positions` [n] whose k and v
         go to pool rows `slots` [n] int64; None: `attend` rotates q and k and stores k and
         v itself. A fused product takes and leaves float32 activations. LoRA products: by
@@ -152,12 +137,9 @@ class Forward:
         products, each row's LoRA term inside them: its rows shrunk first (for q/k/v and
         gate/up from the residual stream, normed by the shrink as the product norms it),
         the product adding the term before its epilogue (before the SiLU for gate/up).
-        Otherwise every product runs unfused, the LoRA terms added to its output.
-        `skinny`: unfused products run on the ops' split-K kernels where they take them (a
-        short prefill window)."""
+        Otherwise every product runs unfused, the LoRA terms added to its output."""
         s, ops, products = self.s, self.ops, self.products
         adapters = self.lora if (lora or lora_slots is not None) else None
-        skinny = skinny and ops.skinny is not None
 
         def add_lora(li: int, matrix: str, inp: torch.Tensor, out: torch.Tensor) -> None:
             assert adapters is not None
@@ -189,7 +171,10 @@ class Forward:
             else:
                 qkv = s.qkv[:n]
                 ops.rms_norm(x, lw.attn_norm, h)
-                self._product(h, lw.qkv, lw.qkv_bias, qkv, skinny)
+                if lw.qkv_bias is not None:
+                    torch.addmm(lw.qkv_bias, h, lw.qkv.t(), out=qkv)
+                else:
+                    torch.mm(h, lw.qkv.t(), out=qkv)
                 if adapters is not None:
                     add_lora(li, "qkv", h, qkv)
             if slots is not None:
@@ -202,7 +187,7 @@ class Forward:
                 assert products is not None
                 products.accumulate(attn, lw.wo, x, term(li, "o", attn))
             else:
-                self._accumulate(x, attn, lw.wo, skinny)
+                self._accumulate(x, attn, lw.wo)
                 if adapters is not None:
                     add_lora(li, "o", attn, x)
             down_fused = fused(lw.down, ACCUMULATE)
@@ -213,7 +198,7 @@ class Forward:
                                    term(li, "gate_up", x, lw.ffn_norm))
             else:
                 ops.rms_norm(x, lw.ffn_norm, h)
-                self._product(h, lw.gate_up, None, s.gate_up[:n], skinny)
+                torch.mm(h, lw.gate_up.t(), out=s.gate_up[:n])
                 if adapters is not None and lora_slots is not None and adapters.fuses_gate:
                     adapters.gate_rows(li, h, s.gate_up[:n], act, lora_slots)
                 else:
@@ -224,7 +209,7 @@ class Forward:
                 assert products is not None
                 products.accumulate(act, lw.down, x, term(li, "down", act))
             else:
-                self._accumulate(x, act, lw.down, skinny)
+                self._accumulate(x, act, lw.down)
                 if adapters is not None:
                     add_lora(li, "down", act, x)
             self._stage_state(li + 1, n, capture)
@@ -302,5 +287,5 @@ class Forward:
         self.embed(layout.ids, n, capture)
         self.override(overrides, capture)
         self.layers(n, layout.positions, layout.slots, attend, capture,
-                    self.fuses(n, is_decode=False), lora, skinny=True)
+                    self.fuses(n, is_decode=False), lora)
         s.x_last.index_copy_(0, layout.dest, s.x[:n].index_select(0, layout.last))

@@ -49,7 +49,6 @@ class TorchOps:
 
     ropes_in_decode_attention = False  # rope_store runs before decode_attention
     products: Any = None  # the fused products (TritonOps with bf16 weights), else None
-    skinny: Any = None  # short prefill windows' split-K products (TritonOps), else None
 
     def __init__(self, config: ModelConfig, page_size: int) -> None:
         self.config = config

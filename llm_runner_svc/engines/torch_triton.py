@@ -27,7 +27,6 @@ from llm_runner_svc.engines.torch_triton_prefill import (
     prefill_block,
 )
 from llm_runner_svc.engines.torch_triton_products import FusedProducts
-from llm_runner_svc.engines.torch_triton_skinny import SkinnyProducts, layer_shapes
 from llm_runner_svc.models.spec import ModelConfig, RopeStyle
 
 BLOCK_N = 32  # positions per attention tile
@@ -42,19 +41,16 @@ def _pow2(n: int, least: int = 1) -> int:
 
 class TritonOps(TorchOps):
     def __init__(self, config: ModelConfig, page_size: int, num_sms: int,
-                 has_fused_products: bool, split_prefill_keys: bool = True,
-                 has_skinny: bool = False) -> None:
+                 has_fused_products: bool, split_prefill_keys: bool = True) -> None:
         """`has_fused_products`: the weights are bf16 and the forward may use
         `products` (see torch_triton_products.py). `split_prefill_keys`: short prefill
         passes share each query block's keys among several programs
-        (`prefill_splits`). `has_skinny`: the weights are bf16 and short prefill passes
-        may multiply on `skinny` (torch_triton_skinny.py)."""
+        (`prefill_splits`)."""
         super().__init__(config, page_size)
         self.num_sms = num_sms
         self.split_prefill_keys = split_prefill_keys
         self._partials: PrefillPartials | None = None
         self.products = FusedProducts(config.rms_eps) if has_fused_products else None
-        self.skinny = SkinnyProducts(num_sms) if has_skinny else None
         self._part: torch.Tensor | None = None  # [rows, heads, splits, hd_p] float32
         self._lse: torch.Tensor | None = None  # [rows, heads, splits] float32
         self._counts: torch.Tensor | None = None  # [rows, kv_heads] int32 splits finished
@@ -86,9 +82,8 @@ class TritonOps(TorchOps):
                       torch.zeros(max_rows, dtype=torch.int32, device=device))
         if self.split_prefill_keys:
             self._partials = PrefillPartials(c.num_heads, c.head_dim, self.num_sms, device)
-        skinny = self.skinny.reserve(layer_shapes(c), device) if self.skinny is not None else 0
         return sum(t.nbytes for t in (self._part, self._lse, self._counts, *self._best)) + (
-            self._partials.nbytes if self._partials is not None else 0) + skinny
+            self._partials.nbytes if self._partials is not None else 0)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
         n, d = x.shape

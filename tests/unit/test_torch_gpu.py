@@ -339,11 +339,11 @@ def test_prefill_batch_matches_solo_prefills_on_gpu(stories):
             _clear_leads_agree(logits[None], want_logits[None], 0.5)
 
 
-def _prefill_states(model, prompt: list[int], chunk: int, rows: int, **opts):
+def _prefill_states(model, prompt: list[int], chunk: int, rows: int):
     """Logits [1, vocab] and states [len, hidden] of `prompt` prefilled on the GPU (bf16) in
     chunks of `chunk`, with prefill batches of up to `rows` tokens on the fused products."""
     eng = create_engine("torch", model.config, model.weights, device="cuda",
-                        fused_prefill_rows=rows, **opts)
+                        fused_prefill_rows=rows)
     table = _one_request(eng, len(prompt), prefill_chunk=chunk)
     states = eng.prefill(prompt, 0, table, capture_hidden=True).states
     logits = eng.logits(1).copy()
@@ -373,27 +373,6 @@ def test_fast_prefill_against_the_precise_path(arch, stories, tmp_path):
                   f"logits {np.abs(logits - want_logits).max():.1e}")
             assert spread[2] < BF16_CUBLAS_REL
             _clear_leads_agree(logits, want_logits, 0.5)
-
-
-def test_skinny_prefill_against_the_precise_path(stories):
-    """Prefill passes of up to 64 tokens on the split-K products (torch_triton_skinny.py),
-    chunks of 50 and of 7 after earlier ones: states within bf16 rounding of the
-    float32-activation path (BF16_CUBLAS_REL) and of the same passes on cuBLAS, the same
-    argmax wherever its lead is clear of it."""
-    gen = np.random.default_rng(1)
-    prompt = [int(t) for t in gen.integers(3, stories.config.vocab_size, 300)]
-    want_logits, want = _prefill_states(stories, prompt, chunk=300, rows=300)
-    for chunk in (50, 7):
-        logits, got = _prefill_states(stories, prompt, chunk=chunk, rows=0)
-        cublas_logits, cublas = _prefill_states(stories, prompt, chunk=chunk, rows=0,
-                                                skinny_products=False)
-        spread, apart = _spread(got, want), _spread(got, cublas)
-        print(f"split-K prefill in chunks of {chunk}: states {_fmt(spread)} from the precise "
-              f"path, {_fmt(apart)} from cuBLAS")
-        assert spread[2] < BF16_CUBLAS_REL
-        assert apart[2] < BF16_CUBLAS_REL
-        _clear_leads_agree(logits, want_logits, 0.5)
-        _clear_leads_agree(logits, cublas_logits, 0.5)
 
 
 @pytest.mark.parametrize("mode", ["bf16", "split", "ieee"])
