@@ -15,7 +15,8 @@ Before the table, one line per batch of the LoRA kernels alone (ms per launch, C
 layer 0, every row on a different adapter): at batch 1 the per-row shrink (normed for
 q/k/v and gate/up, as the fused products take it) and expand, and the fused q/k/v and down
 products with and without the term inside; at larger batches the grouped shrink and expand
-(gate/up's expand always with the SiLU gate, as the unfused products run it).
+(gate/up's expand always with the SiLU gate and down's shrink, as the unfused products run
+it).
 
 Usage: python benchmarks/bench_lora_gpu.py [--shape qwen2.5-7b] [--batches 1,8,32] [--rank 16]
                                            [--adapters 8] [--position 128] [--json FILE]
@@ -63,7 +64,8 @@ def replay_ms(engine: TorchEngine, slots: list[int], position: int, reps: int) -
 def _matrix_ms(lora: TorchLora, m: str, x: torch.Tensor, norm: torch.Tensor | None,
                idx: torch.Tensor, reps: int) -> dict[str, float]:
     """ms per launch of matrix m's shrink and expand in layer 0 for rows x on adapters idx
-    (gate/up's expand: with the SiLU gate, as the unfused products run it)."""
+    (gate/up's expand: with the SiLU gate and down's shrink, as the unfused products run
+    it)."""
     from llm_runner_svc.engines import torch_lora_triton as kernels
 
     b, dev = x.shape[0], x.device
@@ -71,6 +73,7 @@ def _matrix_ms(lora: TorchLora, m: str, x: torch.Tensor, norm: torch.Tensor | No
     t = torch.zeros(b, a.shape[2], device=dev)
     dest = torch.zeros(b, bt.shape[2], device=dev, dtype=torch.bfloat16)
     act = torch.zeros(b, bt.shape[2] // 2, device=dev, dtype=torch.bfloat16)
+    t_down = torch.zeros(b, lora.rank, device=dev)
     starts = lora.starts(m)
     if b <= PER_ROW_ROWS:
         def shrink() -> None:
@@ -83,7 +86,7 @@ def _matrix_ms(lora: TorchLora, m: str, x: torch.Tensor, norm: torch.Tensor | No
 
     def expand() -> None:
         if m == "gate_up":
-            kernels.expand_gate(t, bt, idx, dest, act)
+            kernels.expand_gate(t, bt, idx, dest, act, lora.a["down"][0], t_down)
         elif b <= PER_ROW_ROWS:
             kernels.expand(t, bt, idx, dest, starts)
         else:

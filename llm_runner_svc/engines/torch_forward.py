@@ -141,20 +141,21 @@ class Forward:
         s, ops, products = self.s, self.ops, self.products
         adapters = self.lora if (lora or lora_slots is not None) else None
 
-        def add_lora(li: int, matrix: str, inp: torch.Tensor, out: torch.Tensor) -> None:
+        def add_lora(li: int, matrix: str, inp: torch.Tensor, out: torch.Tensor,
+                     is_shrunk: bool = False) -> None:
             assert adapters is not None
             if lora_slots is not None:
-                adapters.add_rows(li, matrix, inp, out, lora_slots)
+                adapters.add_rows(li, matrix, inp, out, lora_slots, is_shrunk)
             else:
                 adapters.add(li, matrix, inp, out, lora)
 
-        def term(li: int, matrix: str, inp: torch.Tensor,
-                 norm: torch.Tensor | None = None) -> LoraTerm | None:
+        def term(li: int, matrix: str, inp: torch.Tensor, norm: torch.Tensor | None = None,
+                 is_shrunk: bool = False) -> LoraTerm | None:
             """The LoRA term a fused product adds (None without adapters)."""
             if adapters is None:
                 return None
             assert lora_slots is not None
-            return adapters.shrink_rows(li, matrix, inp, lora_slots, norm)
+            return adapters.shrink_rows(li, matrix, inp, lora_slots, norm, is_shrunk)
 
         if adapters is not None:
             if lora_slots is None or not adapters.fuses_rows(n):
@@ -192,6 +193,7 @@ class Forward:
                     add_lora(li, "o", attn, x)
             down_fused = fused(lw.down, ACCUMULATE)
             act = s.act_f[:n] if down_fused else s.act[:n]
+            is_shrunk = False
             if fused(lw.gate_up, SILU_GATE):
                 assert products is not None
                 products.norm_gate(x, lw.ffn_norm, lw.gate_up, act,
@@ -201,17 +203,19 @@ class Forward:
                 torch.mm(h, lw.gate_up.t(), out=s.gate_up[:n])
                 if adapters is not None and lora_slots is not None and adapters.fuses_gate:
                     adapters.gate_rows(li, h, s.gate_up[:n], act, lora_slots)
+                    is_shrunk = True  # down's shrink ran with the SiLU gate
                 else:
                     if adapters is not None:
                         add_lora(li, "gate_up", h, s.gate_up[:n])
                     ops.silu_mul(s.gate_up[:n], act)
             if down_fused:
                 assert products is not None
-                products.accumulate(act, lw.down, x, term(li, "down", act))
+                products.accumulate(act, lw.down, x, term(li, "down", act,
+                                                          is_shrunk=is_shrunk))
             else:
                 self._accumulate(x, act, lw.down)
                 if adapters is not None:
-                    add_lora(li, "down", act, x)
+                    add_lora(li, "down", act, x, is_shrunk)
             self._stage_state(li + 1, n, capture)
         self._stage_state(-1, n, capture)
 

@@ -17,7 +17,8 @@ Two ways to run the products, both adding onto the base product of the same rows
     expand), a larger one runs kernels that group rows by adapter, reading each adapter
     once for all its rows; "gather": torch products over each row's gathered matrices (the
     reference of the same path on any device). On the unfused products, "triton" adds
-    gate/up's term and applies the SiLU gate in one kernel (`gate_rows`).
+    gate/up's term, applies the SiLU gate and shrinks the result for down in one kernel
+    (`gate_rows`).
 A decode step of a row or few on the fused products keeps them (Forward.layers): `shrink_rows`
 fills t (norming the residual stream first for q/k/v and gate/up, as the product does) and
 the product adds each row's t @ B^T inside its epilogue (`LoraTerm`).
@@ -184,14 +185,16 @@ class TorchLora:
         return ends[0], ends[1]
 
     def shrink_rows(self, layer: int, matrix: str, x: torch.Tensor, idx: torch.Tensor,
-                    norm: torch.Tensor | None = None) -> LoraTerm:
+                    norm: torch.Tensor | None = None, is_shrunk: bool = False) -> LoraTerm:
         """t[i] = x[i] @ A^T[idx[i]] into the scratch (zeroed by `begin_rows`), x's rows
         RMS-normed and scaled by `norm` first when given (x then the residual stream);
-        the term a fused product adds. Triton kernels only."""
+        the term a fused product adds. Triton kernels only. `is_shrunk`: t is filled
+        already (`gate_rows`)."""
         from llm_runner_svc.engines.torch_lora_triton import shrink
 
         t = self._scratch(layer, matrix, x.shape[0])
-        shrink(x, self.a[matrix][layer], idx, t, norm, self.cfg.rms_eps)
+        if not is_shrunk:
+            shrink(x, self.a[matrix][layer], idx, t, norm, self.cfg.rms_eps)
         return LoraTerm(t, self.b[matrix][layer], idx, self.starts(matrix), self.rank)
 
     @property
@@ -202,7 +205,8 @@ class TorchLora:
     def gate_rows(self, layer: int, x: torch.Tensor, gate_up: torch.Tensor, out: torch.Tensor,
                   idx: torch.Tensor) -> None:
         """out [n, F] = silu(g) * u for [g | u] = gate_up [n, 2F] + each row's gate/up LoRA
-        term of x [n, in]: the expand and the SiLU gate in one kernel."""
+        term of x [n, in]: the expand and the SiLU gate in one kernel, which also shrinks
+        out for down (down's `shrink_rows` / `add_rows` then take `is_shrunk`)."""
         from llm_runner_svc.engines import torch_lora_triton as kernels
 
         n = x.shape[0]
@@ -211,12 +215,14 @@ class TorchLora:
             self.shrink_rows(layer, "gate_up", x, idx)
         else:
             kernels.grouped_shrink(x, self.a["gate_up"][layer], idx, t)
-        kernels.expand_gate(t, self.b["gate_up"][layer], idx, gate_up, out)
+        kernels.expand_gate(t, self.b["gate_up"][layer], idx, gate_up, out,
+                            self.a["down"][layer], self._scratch(layer, "down", n))
 
     def add_rows(self, layer: int, matrix: str, x: torch.Tensor, out: torch.Tensor,
-                 idx: torch.Tensor) -> None:
+                 idx: torch.Tensor, is_shrunk: bool = False) -> None:
         """out[i] += x[i] @ A^T[idx[i]] @ B^T[idx[i]] for every row i (slot 0: nothing);
-        x [n, in], out [n, out], idx [n] int32 on the device."""
+        x [n, in], out [n, out], idx [n] int32 on the device. `is_shrunk`: the scratch
+        holds x @ A^T already (`gate_rows`; Triton kernels only)."""
         r, bounds = self.rank, self.bounds[matrix]
         a, b = self.a[matrix][layer], self.b[matrix][layer]
         n = x.shape[0]
@@ -225,12 +231,14 @@ class TorchLora:
             from llm_runner_svc.engines import torch_lora_triton as kernels
 
             if n <= PER_ROW_ROWS:
-                self.shrink_rows(layer, matrix, x, idx)
+                self.shrink_rows(layer, matrix, x, idx, is_shrunk=is_shrunk)
                 kernels.expand(t, b, idx, out, self.starts(matrix))
             elif self.num_slots > 0:
-                kernels.grouped_shrink(x, a, idx, t)
+                if not is_shrunk:
+                    kernels.grouped_shrink(x, a, idx, t)
                 kernels.grouped_expand(t, b, idx, out, self.starts(matrix), len(bounds) - 1)
             return
+        assert not is_shrunk, "a shrunk scratch comes from the Triton kernels"
         rows = idx.long()
         t.copy_(torch.bmm(x.float().unsqueeze(1), a.index_select(0, rows).float()).squeeze(1))
         bs = b.index_select(0, rows).float()  # [n, r, out]

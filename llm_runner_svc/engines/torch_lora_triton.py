@@ -15,9 +15,9 @@ rank columns of the module, q/k/v or gate/up, it belongs to); rows on slot 0 rea
     of 16 rows that holds one of the slot's rows (the others masked out, reading nothing),
     so a step reads each adapter present once instead of once per row. No sorting or
     staging: a slot with no rows in the step costs its programs a scan of the slots.
-gate/up's expand on the unfused products also applies the SiLU gate (`expand_gate`, grouped
-the same way, the base model's rows in slot 0's programs), which saves a launch and the
-round trip of the bf16 gate/up output.
+gate/up's expand on the unfused products also applies the SiLU gate and runs down's shrink
+over the tile it writes (`expand_gate`, grouped the same way, the base model's rows in slot
+0's programs): two launches fewer a layer, and no round trip of the bf16 gate/up output.
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from llm_runner_svc.engines.torch_triton_products import _split_dot
-
 SHRINK_TILE = 8192  # elements of A^T a shrink program reads: [in positions, R]
 EXPAND_BLOCK_N = 128  # output columns per expand program
+GATE_BLOCK_N = 64  # per expand_gate program: it holds three adapter tiles and two outputs
 
 
 @triton.jit
@@ -86,12 +85,14 @@ def lora_expand_kernel(t_ptr, t_stride, b_ptr, b_slot_stride, idx_ptr, out_ptr, 
 
 @triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
-    """acc += a @ b for float32 a: exact float32 products when b is float32 (IEEE), else
-    `_split_dot` against bf16 b."""
+    """acc += a @ b for float32 a: exact float32 products when b is float32 (IEEE), else a
+    rounded to b's bf16 (a LoRA term's relative error stays near bf16's 2^-9, on a term
+    that is a small part of what it is added to; the unfused products' inputs are bf16
+    anyway)."""
     if IEEE:  # noqa: SIM108 (a statement: a constexpr branch, compiled or not)
         acc = tl.dot(a, b, acc, input_precision="ieee")
     else:
-        acc = _split_dot(a, b, acc)
+        acc = tl.dot(a.to(b.dtype), b, acc)
     return acc
 
 
@@ -167,23 +168,30 @@ def grouped_expand_kernel(t_ptr, t_stride, b_ptr, b_slot_stride, idx_ptr, out_pt
 
 @triton.jit
 def expand_gate_kernel(gu_ptr, gu_stride, t_ptr, t_stride, b_ptr, b_slot_stride, idx_ptr,
-                       out_ptr, out_stride, n_rows, F, r: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
-    """Grid (slots + 1, cdiv(F, BLOCK_N)): the expand of gate/up and the SiLU gate in one.
-    Slot program_id(0) (0: the base model, whose B^T is zeros) reads its B^T tiles of
-    gate columns and of up columns once, and for each block of rows holding one of its
-    rows adds their terms to gate_up [n, 2F] as it loads it, writing silu(gate) * up to out
-    [n, F]: every row is written by its own slot's program."""
+                       out_ptr, out_stride, a_ptr, a_slot_stride, t2_ptr, t2_stride, n_rows, F,
+                       r: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
+    """Grid (slots + 1, cdiv(F, BLOCK_N)): the expand of gate/up, the SiLU gate and the
+    shrink of down in one. Slot program_id(0) (0: the base model, whose B^T is zeros)
+    reads its B^T tiles of gate columns and of up columns and its down A^T tile of the
+    same columns once; for each block of rows holding one of its rows it adds their terms
+    to gate_up [n, 2F] as it loads it, writes silu(gate) * up to out [n, F] (every row by
+    its own slot's program), and adds that tile of out times the A^T tile into t2 [n, r]
+    (float32; down's K split over the programs' columns)."""
     slot = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     js = tl.arange(0, BLOCK_R)
     cmask = cols < F
     if _has_rows(idx_ptr, n_rows, slot, BLOCK_M):
-        bmask = (js[:, None] < tl.where(slot != 0, r, 0)) & cmask[None, :]
+        live = js < tl.where(slot != 0, r, 0)  # [BLOCK_R]: the base model reads nothing
+        bmask = live[:, None] & cmask[None, :]
         b_tile = (b_ptr + slot.to(tl.int64) * b_slot_stride + js[:, None] * (2 * F)
                   + cols[None, :])
         b_gate = tl.load(b_tile, mask=bmask, other=0.0)  # [BLOCK_R, BLOCK_N]
         b_up = tl.load(b_tile + F, mask=bmask, other=0.0)
+        a_down = tl.load(a_ptr + slot.to(tl.int64) * a_slot_stride + cols[:, None] * r
+                         + js[None, :], mask=cmask[:, None] & live[None, :],
+                         other=0.0)  # [BLOCK_N, BLOCK_R]
         for m0 in range(0, n_rows, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             mine = tl.load(idx_ptr + rows, mask=rows < n_rows, other=-1) == slot
@@ -198,9 +206,14 @@ def expand_gate_kernel(gu_ptr, gu_stride, t_ptr, t_stride, b_ptr, b_slot_stride,
                 u = tl.load(gu_rows + F, mask=omask, other=0.0).to(tl.float32)
                 g = _dot(t_gate, b_gate, g, IEEE)
                 u = _dot(t_up, b_up, u, IEEE)
-                y = g / (1.0 + tl.exp(-g)) * u
+                y = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
                 tl.store(out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :],
-                         y.to(out_ptr.dtype.element_ty), mask=omask)
+                         y, mask=omask)
+                part = _dot(y.to(tl.float32), a_down,
+                            tl.zeros([BLOCK_M, BLOCK_R], tl.float32), IEEE)
+                tl.atomic_add(t2_ptr + rows[:, None] * t2_stride + js[None, :], part,
+                              mask=mine[:, None] & live[None, :])
+
 
 def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
@@ -261,12 +274,15 @@ def grouped_expand(t: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, out: tor
 
 
 def expand_gate(t: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
-                out: torch.Tensor) -> None:
+                out: torch.Tensor, a_down: torch.Tensor, t_down: torch.Tensor) -> None:
     """out [n, F] = silu(g) * u where [g | u] = gate_up [n, 2F] + t @ b[idx] (the gate
-    and up modules' rank columns of t [n, 2 r] onto their columns), in float32."""
+    and up modules' rank columns of t [n, 2 r] onto their columns), in float32; and
+    t_down [n, r] += out @ a_down[idx] ([slots + 1, F, r]): down's shrink."""
     n, f = out.shape
     r = b.shape[1]
-    expand_gate_kernel[(b.shape[0], triton.cdiv(f, EXPAND_BLOCK_N))](
+    assert a_down.shape[2] == r
+    expand_gate_kernel[(b.shape[0], triton.cdiv(f, GATE_BLOCK_N))](
         gate_up, gate_up.stride(0), t, t.stride(0), b, b.stride(0), idx, out, out.stride(0),
-        n, f, r=r, BLOCK_M=GROUP_ROWS, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=_pow2(r),
-        IEEE=b.dtype == torch.float32, num_warps=4)
+        a_down, a_down.stride(0), t_down, t_down.stride(0), n, f, r=r, BLOCK_M=GROUP_ROWS,
+        BLOCK_N=GATE_BLOCK_N, BLOCK_R=_pow2(r), IEEE=b.dtype == torch.float32,
+        num_warps=4)

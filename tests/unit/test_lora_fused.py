@@ -6,7 +6,7 @@ CPU interpreter in float32, against the grouped torch products (torch_lora.py):
   mix the base model and several adapters; the shrink must norm its input as the product
   does and the gate/up term must go in before the SiLU, which the test shows it would
   notice;
-- gate/up's expand and SiLU gate in one kernel (the unfused products' path);
+- gate/up's expand, SiLU gate and down's shrink in one kernel (the unfused products' path);
 - a whole decode step of the forward with fused products and the terms inside them, and
   one unfused with the per-row and the grouped kernels, against the same step unfused with
   the grouped products.
@@ -24,6 +24,7 @@ from llm_runner_svc.engines.torch_forward import Forward
 from llm_runner_svc.engines.torch_lora import TorchLora
 from llm_runner_svc.engines.torch_ops import TorchOps
 from llm_runner_svc.engines.torch_state import allocate_state
+from llm_runner_svc.engines.torch_triton_modes import SILU_GATE
 from llm_runner_svc.engines.torch_weights import load_weights
 from llm_runner_svc.models.lora import load_adapter
 
@@ -146,10 +147,16 @@ def forward(stories, adapters) -> Forward:
                    None, plan.page_size, True, lora=_lora(cfg, adapters, "triton"))
 
 
+@pytest.mark.parametrize("is_gate_fused", [True, False])
 def test_fused_decode_step_with_terms_matches_the_unfused_one(adapters, request, forward,
-                                                              monkeypatch):
+                                                              monkeypatch, is_gate_fused):
+    """Every product fused, or all but gate/up (a large model's batch 1: gate/up's
+    expand, SiLU gate and down's shrink in one kernel, down's term in its fused product)."""
     if rerun_interpreted(request):
         return
+    if not is_gate_fused:
+        monkeypatch.setattr(forward.products, "outruns_cublas",
+                            lambda w, mode: mode != SILU_GATE)
     slots = ROWS[4]
     want = _step(forward, slots, per_row=False, fused=False)
     got = _step(forward, slots, per_row=True, fused=True)
@@ -161,8 +168,8 @@ def test_fused_decode_step_with_terms_matches_the_unfused_one(adapters, request,
     assert lora is not None
     shrink = lora.shrink_rows  # a shrink that forgets the norm gives another step
 
-    def unnormed(layer, matrix, x, idx, norm=None):
-        return shrink(layer, matrix, x, idx)
+    def unnormed(layer, matrix, x, idx, norm=None, is_shrunk=False):
+        return shrink(layer, matrix, x, idx, None, is_shrunk)
 
     monkeypatch.setattr(lora, "shrink_rows", unnormed)
     assert not _close(_step(forward, slots, per_row=True, fused=True)[1:], want[1:])
@@ -182,7 +189,8 @@ def test_unfused_decode_step_by_row_slots_matches_the_grouped_one(adapters, requ
 
 @pytest.mark.parametrize("slots", [[3], [0, 1, 3, 1, 0, 2, 2],
                                    [(i * 7) % 5 % 4 for i in range(37)]])
-def test_gate_rows_add_the_terms_before_the_silu_gate(stories, adapters, request, slots):
+def test_gate_rows_add_the_terms_before_the_silu_gate_and_shrink_for_down(stories, adapters,
+                                                                          request, slots):
     if rerun_interpreted(request):
         return
     cfg = stories.config
@@ -193,10 +201,19 @@ def test_gate_rows_add_the_terms_before_the_silu_gate(stories, adapters, request
     x = torch.randn(n, cfg.hidden_size, generator=gen)
     gate_up = torch.randn(n, 2 * f, generator=gen)
     got = torch.empty(n, f)
+    idx = torch.tensor(slots, dtype=torch.int32)
+    groups = grouped.groups(slots, [1] * n)
     lora.begin_rows(n)
-    lora.gate_rows(2, x, gate_up, got, torch.tensor(slots, dtype=torch.int32))
+    lora.gate_rows(2, x, gate_up, got, idx)
     want = gate_up.clone()
-    grouped.add(2, "gate_up", x, want, grouped.groups(slots, [1] * n))
+    grouped.add(2, "gate_up", x, want, groups)
     assert _close(got, _silu_gate(want))
     on_adapter = [i for i, k in enumerate(slots) if k]
     assert not _close(got[on_adapter], _silu_gate(gate_up)[on_adapter])
+    # down's shrink ran with it: its expand alone gives down's terms of the gate's output
+    res = torch.randn(n, cfg.hidden_size, generator=gen)
+    down, want_down = res.clone(), res.clone()
+    lora.add_rows(2, "down", got, down, idx, is_shrunk=True)
+    grouped.add(2, "down", got, want_down, groups)
+    assert _close(down, want_down)
+    assert not _close(down[on_adapter], res[on_adapter])
