@@ -10,11 +10,12 @@ rank columns of the module, q/k/v or gate/up, it belongs to); rows on slot 0 rea
     shrink is split over `in` so one row still spreads over many programs, and can RMS-norm
     its input first (the fused products' normed input is never written out); the fused
     products add the expand themselves (torch_triton_products.py);
-  - grouped by adapter (larger batches): a program per adapter slot and tile reads its
-    slot's tile of A^T or B^T once and multiplies it, on the tensor cores, with every block
-    of 16 rows that holds one of the slot's rows (the others masked out, reading nothing),
-    so a step reads each adapter present once instead of once per row. No sorting or
-    staging: a slot with no rows in the step costs its programs a scan of the slots.
+  - grouped by adapter (larger batches): a program per adapter slot, tile and block of 16
+    rows; if the block holds one of the slot's rows, it reads the slot's tile of A^T or B^T
+    and multiplies it, on the tensor cores, with those rows (the others masked out, reading
+    nothing). A step reads each adapter present once per 16-row block holding its rows
+    instead of once per row, and no program waits on another: no sorting, no staging, no
+    loop (a program whose block has none of its slot's rows exits after reading 16 slots).
 gate/up's expand on the unfused products also applies the SiLU gate and runs down's shrink
 over the tile it writes (`expand_gate`, grouped the same way, the base model's rows in slot
 0's programs): two launches fewer a layer, and no round trip of the bf16 gate/up output.
@@ -97,39 +98,33 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _has_rows(idx_ptr, n_rows, slot, BLOCK_M: tl.constexpr):
-    """Whether any of rows 0 .. n_rows-1 is on `slot`."""
-    count = tl.sum(tl.zeros([BLOCK_M], tl.int32), axis=0)  # int32: the loop adds to it
-    for m0 in range(0, n_rows, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        mine = tl.load(idx_ptr + rows, mask=rows < n_rows, other=-1) == slot
-        count += tl.sum(mine.to(tl.int32), axis=0)
-    return count > 0
+def _slot_rows(idx_ptr, n_rows, slot, BLOCK_M: tl.constexpr):
+    """(rows, mine): row block program_id(2) and which of its rows are on `slot`."""
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mine = tl.load(idx_ptr + rows, mask=rows < n_rows, other=-1) == slot
+    return rows, mine
 
 
 @triton.jit
 def grouped_shrink_kernel(x_ptr, x_stride, a_ptr, a_slot_stride, idx_ptr, t_ptr, t_stride,
                           n_rows, n_in, R: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
-    """Grid (slots, cdiv(n_in, BLOCK_K)): slot program_id(0) + 1 reads its A^T tile once
-    and multiplies every block of BLOCK_M rows holding one of its rows (the others masked
-    out, so they read nothing), adding into t."""
+    """Grid (slots, cdiv(n_in, BLOCK_K), cdiv(n_rows, BLOCK_M)): if row block
+    program_id(2) holds a row on slot program_id(0) + 1, that slot's A^T tile times those
+    rows (the others masked out, reading nothing), added into t."""
     slot = tl.program_id(0) + 1
-    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    rs = tl.arange(0, BLOCK_R)
-    kmask = ks < n_in
-    if _has_rows(idx_ptr, n_rows, slot, BLOCK_M):
+    rows, mine = _slot_rows(idx_ptr, n_rows, slot, BLOCK_M)
+    if tl.sum(mine.to(tl.int32), axis=0) > 0:
+        ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        rs = tl.arange(0, BLOCK_R)
+        kmask = ks < n_in
         a = tl.load(a_ptr + slot.to(tl.int64) * a_slot_stride + ks[:, None] * R + rs[None, :],
                     mask=kmask[:, None] & (rs[None, :] < R), other=0.0)  # [BLOCK_K, BLOCK_R]
-        for m0 in range(0, n_rows, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            mine = tl.load(idx_ptr + rows, mask=rows < n_rows, other=-1) == slot
-            if tl.sum(mine.to(tl.int32), axis=0) > 0:
-                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + ks[None, :],
-                            mask=mine[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-                part = _dot(x, a, tl.zeros([BLOCK_M, BLOCK_R], tl.float32), IEEE)
-                tl.atomic_add(t_ptr + rows[:, None] * t_stride + rs[None, :], part,
-                              mask=mine[:, None] & (rs[None, :] < R))
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + ks[None, :],
+                    mask=mine[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        part = _dot(x, a, tl.zeros([BLOCK_M, BLOCK_R], tl.float32), IEEE)
+        tl.atomic_add(t_ptr + rows[:, None] * t_stride + rs[None, :], part,
+                      mask=mine[:, None] & (rs[None, :] < R))
 
 
 @triton.jit
@@ -137,33 +132,29 @@ def grouped_expand_kernel(t_ptr, t_stride, b_ptr, b_slot_stride, idx_ptr, out_pt
                           n_rows, n_out, bound1, bound2, r: tl.constexpr,
                           NUM_MODULES: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
-    """Grid (slots, cdiv(n_out, BLOCK_N)): slot program_id(0) + 1 reads its B^T tile once
-    and adds, for every block of BLOCK_M rows holding one of its rows, each module's rank
-    columns of t times the module's output columns onto those rows of out (only its own
-    rows: each output element has one writer)."""
+    """Grid (slots, cdiv(n_out, BLOCK_N), cdiv(n_rows, BLOCK_M)): if row block
+    program_id(2) holds a row on slot program_id(0) + 1, each module's rank columns of t
+    for those rows times the slot's B^T tile of the module's columns, added onto those
+    rows of out (only the slot's own rows: each output element has one writer)."""
     slot = tl.program_id(0) + 1
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    js = tl.arange(0, BLOCK_R)
-    cmask = cols < n_out
-    jmask = js < r
-    module = (cols >= bound1).to(tl.int32) + (cols >= bound2).to(tl.int32)  # [BLOCK_N]
-    if _has_rows(idx_ptr, n_rows, slot, BLOCK_M):
+    rows, mine = _slot_rows(idx_ptr, n_rows, slot, BLOCK_M)
+    if tl.sum(mine.to(tl.int32), axis=0) > 0:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        js = tl.arange(0, BLOCK_R)
+        cmask = cols < n_out
+        jmask = js < r
+        module = (cols >= bound1).to(tl.int32) + (cols >= bound2).to(tl.int32)  # [BLOCK_N]
         b = tl.load(b_ptr + slot.to(tl.int64) * b_slot_stride + js[:, None] * n_out
                     + cols[None, :], mask=jmask[:, None] & cmask[None, :], other=0.0)
-        for m0 in range(0, n_rows, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            mine = tl.load(idx_ptr + rows, mask=rows < n_rows, other=-1) == slot
-            if tl.sum(mine.to(tl.int32), axis=0) > 0:
-                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for j in tl.static_range(NUM_MODULES):
-                    tv = tl.load(t_ptr + rows[:, None] * t_stride + j * r + js[None, :],
-                                 mask=mine[:, None] & jmask[None, :], other=0.0)
-                    acc = _dot(tv, tl.where((module == j)[None, :], b, 0.0).to(b.dtype),
-                               acc, IEEE)
-                offs = rows[:, None].to(tl.int64) * out_stride + cols[None, :]
-                omask = mine[:, None] & cmask[None, :]
-                o = tl.load(out_ptr + offs, mask=omask, other=0.0).to(tl.float32)
-                tl.store(out_ptr + offs, (o + acc).to(out_ptr.dtype.element_ty), mask=omask)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for j in tl.static_range(NUM_MODULES):
+            tv = tl.load(t_ptr + rows[:, None] * t_stride + j * r + js[None, :],
+                         mask=mine[:, None] & jmask[None, :], other=0.0)
+            acc = _dot(tv, tl.where((module == j)[None, :], b, 0.0).to(b.dtype), acc, IEEE)
+        offs = rows[:, None].to(tl.int64) * out_stride + cols[None, :]
+        omask = mine[:, None] & cmask[None, :]
+        o = tl.load(out_ptr + offs, mask=omask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, (o + acc).to(out_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
@@ -171,19 +162,20 @@ def expand_gate_kernel(gu_ptr, gu_stride, t_ptr, t_stride, b_ptr, b_slot_stride,
                        out_ptr, out_stride, a_ptr, a_slot_stride, t2_ptr, t2_stride, n_rows, F,
                        r: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
-    """Grid (slots + 1, cdiv(F, BLOCK_N)): the expand of gate/up, the SiLU gate and the
-    shrink of down in one. Slot program_id(0) (0: the base model, whose B^T is zeros)
-    reads its B^T tiles of gate columns and of up columns and its down A^T tile of the
-    same columns once; for each block of rows holding one of its rows it adds their terms
-    to gate_up [n, 2F] as it loads it, writes silu(gate) * up to out [n, F] (every row by
-    its own slot's program), and adds that tile of out times the A^T tile into t2 [n, r]
-    (float32; down's K split over the programs' columns)."""
+    """Grid (slots + 1, cdiv(F, BLOCK_N), cdiv(n_rows, BLOCK_M)): the expand of gate/up,
+    the SiLU gate and the shrink of down in one. If row block program_id(2) holds a row on
+    slot program_id(0) (0: the base model, which reads no adapter), those rows' terms (t
+    times the slot's B^T tiles of gate and of up columns) go onto gate_up [n, 2F] as it is
+    loaded, silu(gate) * up is written to out [n, F] (every row by its own slot's program),
+    and that tile of out times the slot's down A^T rows of the same columns is added into
+    t2 [n, r] (float32; down's K split over the column tiles)."""
     slot = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    js = tl.arange(0, BLOCK_R)
-    cmask = cols < F
-    if _has_rows(idx_ptr, n_rows, slot, BLOCK_M):
-        live = js < tl.where(slot != 0, r, 0)  # [BLOCK_R]: the base model reads nothing
+    rows, mine = _slot_rows(idx_ptr, n_rows, slot, BLOCK_M)
+    if tl.sum(mine.to(tl.int32), axis=0) > 0:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        js = tl.arange(0, BLOCK_R)
+        cmask = cols < F
+        live = js < tl.where(slot != 0, r, 0)  # [BLOCK_R]
         bmask = live[:, None] & cmask[None, :]
         b_tile = (b_ptr + slot.to(tl.int64) * b_slot_stride + js[:, None] * (2 * F)
                   + cols[None, :])
@@ -192,27 +184,21 @@ def expand_gate_kernel(gu_ptr, gu_stride, t_ptr, t_stride, b_ptr, b_slot_stride,
         a_down = tl.load(a_ptr + slot.to(tl.int64) * a_slot_stride + cols[:, None] * r
                          + js[None, :], mask=cmask[:, None] & live[None, :],
                          other=0.0)  # [BLOCK_N, BLOCK_R]
-        for m0 in range(0, n_rows, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            mine = tl.load(idx_ptr + rows, mask=rows < n_rows, other=-1) == slot
-            if tl.sum(mine.to(tl.int32), axis=0) > 0:
-                tmask = mine[:, None] & (js[None, :] < r)
-                t_rows = t_ptr + rows[:, None] * t_stride + js[None, :]
-                t_gate = tl.load(t_rows, mask=tmask, other=0.0)  # [BLOCK_M, BLOCK_R]
-                t_up = tl.load(t_rows + r, mask=tmask, other=0.0)
-                omask = mine[:, None] & cmask[None, :]
-                gu_rows = gu_ptr + rows[:, None].to(tl.int64) * gu_stride + cols[None, :]
-                g = tl.load(gu_rows, mask=omask, other=0.0).to(tl.float32)
-                u = tl.load(gu_rows + F, mask=omask, other=0.0).to(tl.float32)
-                g = _dot(t_gate, b_gate, g, IEEE)
-                u = _dot(t_up, b_up, u, IEEE)
-                y = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
-                tl.store(out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :],
-                         y, mask=omask)
-                part = _dot(y.to(tl.float32), a_down,
-                            tl.zeros([BLOCK_M, BLOCK_R], tl.float32), IEEE)
-                tl.atomic_add(t2_ptr + rows[:, None] * t2_stride + js[None, :], part,
-                              mask=mine[:, None] & live[None, :])
+        tmask = mine[:, None] & live[None, :]
+        t_rows = t_ptr + rows[:, None] * t_stride + js[None, :]
+        t_gate = tl.load(t_rows, mask=tmask, other=0.0)  # [BLOCK_M, BLOCK_R]
+        t_up = tl.load(t_rows + r, mask=tmask, other=0.0)
+        omask = mine[:, None] & cmask[None, :]
+        gu_rows = gu_ptr + rows[:, None].to(tl.int64) * gu_stride + cols[None, :]
+        g = tl.load(gu_rows, mask=omask, other=0.0).to(tl.float32)
+        u = tl.load(gu_rows + F, mask=omask, other=0.0).to(tl.float32)
+        g = _dot(t_gate, b_gate, g, IEEE)
+        u = _dot(t_up, b_up, u, IEEE)
+        y = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :], y,
+                 mask=omask)
+        part = _dot(y.to(tl.float32), a_down, tl.zeros([BLOCK_M, BLOCK_R], tl.float32), IEEE)
+        tl.atomic_add(t2_ptr + rows[:, None] * t2_stride + js[None, :], part, mask=tmask)
 
 
 def _pow2(n: int) -> int:
@@ -255,7 +241,8 @@ def grouped_shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor,
     big_r = a.shape[2]
     block_r = _pow2(big_r)
     block_k = max(16, min(256, SHRINK_TILE // block_r))
-    grouped_shrink_kernel[(a.shape[0] - 1, triton.cdiv(n_in, block_k))](
+    grid = (a.shape[0] - 1, triton.cdiv(n_in, block_k), triton.cdiv(n, GROUP_ROWS))
+    grouped_shrink_kernel[grid](
         x, x.stride(0), a, a.stride(0), idx, t, t.stride(0), n, n_in, R=big_r,
         BLOCK_M=GROUP_ROWS, BLOCK_K=block_k, BLOCK_R=block_r,
         IEEE=a.dtype == torch.float32, num_warps=4)
@@ -266,7 +253,8 @@ def grouped_expand(t: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, out: tor
     """`expand` with each slot's B^T read once for all its rows."""
     n, n_out = out.shape
     r = b.shape[1]
-    grouped_expand_kernel[(b.shape[0] - 1, triton.cdiv(n_out, EXPAND_BLOCK_N))](
+    grid = (b.shape[0] - 1, triton.cdiv(n_out, EXPAND_BLOCK_N), triton.cdiv(n, GROUP_ROWS))
+    grouped_expand_kernel[grid](
         t, t.stride(0), b, b.stride(0), idx, out, out.stride(0), n, n_out, bounds[0],
         bounds[1], r=r, NUM_MODULES=num_modules, BLOCK_M=GROUP_ROWS,
         BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=_pow2(r), IEEE=b.dtype == torch.float32,
@@ -281,7 +269,8 @@ def expand_gate(t: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, gate_up: to
     n, f = out.shape
     r = b.shape[1]
     assert a_down.shape[2] == r
-    expand_gate_kernel[(b.shape[0], triton.cdiv(f, GATE_BLOCK_N))](
+    grid = (b.shape[0], triton.cdiv(f, GATE_BLOCK_N), triton.cdiv(n, GROUP_ROWS))
+    expand_gate_kernel[grid](
         gate_up, gate_up.stride(0), t, t.stride(0), b, b.stride(0), idx, out, out.stride(0),
         a_down, a_down.stride(0), t_down, t_down.stride(0), n, f, r=r, BLOCK_M=GROUP_ROWS,
         BLOCK_N=GATE_BLOCK_N, BLOCK_R=_pow2(r), IEEE=b.dtype == torch.float32,
