@@ -138,9 +138,9 @@ def test_bf16_against_the_merged_model(stories, adapters, n):
     """Every row on one adapter against the merged model's own graph, within bf16 rounding
     (the merged weights are rounded to bf16 once): at batch 1 both run the fused products
     (the adapter's terms inside them: their shrinks norm the residual stream as the
-    products do, the gate/up term goes in before the SiLU; a slip in either strays by a
-    tenth of the logits' scale), at batch 6 cuBLAS with the grouped kernels (the adapter
-    on all seven modules)."""
+    products do, the gate/up term goes in before the SiLU; an earlier fused path strayed
+    here by a tenth of the logits' scale), at batch 6 cuBLAS with the grouped kernels (the
+    adapter on all seven modules)."""
     jobs = [(PROMPTS[(2 + i) % 8], 0) for i in range(n)]
     for k, adapter in list(enumerate(adapters, 1))[:3 if n == 1 else 1]:
         got = _decode_logits(stories, adapters, [(ids, k) for ids, _ in jobs])
