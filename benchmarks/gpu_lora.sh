@@ -14,7 +14,7 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/clients/python PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 rc=0
 if [ "${TESTS:-1}" = 1 ]; then
-    timeout 180 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra -rP" \
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra -rP" \
         tests/unit/test_lora_gpu.py tests/unit/test_torch_gpu.py \
         -k "test_lora_gpu or stories_goldens or do_not_allocate" 2>&1 \
         | tee "$OUT/lora_gpu_tests.txt"
