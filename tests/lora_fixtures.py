@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import pytest
 from safetensors.numpy import save_file
 
 from llm_runner_svc.models.lora import module_shape
@@ -42,19 +37,3 @@ def write_adapter(path: Path, cfg: ModelConfig, seed: int, rank: int = 4, alpha:
             "target_modules": list(targets), "bias": "none"}
     (path / "adapter_config.json").write_text(json.dumps(meta))
     return path
-
-
-def rerun_interpreted(request: Any) -> bool:
-    """Run the calling test again in a process that starts under Triton's CPU interpreter
-    (chosen when kernels are first compiled, so it cannot be switched on here), unless this
-    process is that one; True when it ran there (and passed)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          request.node.nodeid], env=env, capture_output=True, text=True,
-                         cwd=request.config.rootpath, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:]
-    assert "1 passed" in out.stdout
-    return True

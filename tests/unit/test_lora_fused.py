@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lora_fixtures import rerun_interpreted, write_adapter
+from lora_fixtures import write_adapter
+from triton_interpreter import rerun_interpreted
 
 from llm_runner_svc.engines.base import EnginePlan
 from llm_runner_svc.engines.torch_forward import Forward

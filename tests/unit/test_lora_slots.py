@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from lora_fixtures import rerun_interpreted, write_adapter
+from lora_fixtures import write_adapter
+from triton_interpreter import rerun_interpreted
 
 from llm_runner_svc.engines import create_engine
 from llm_runner_svc.engines.torch_lora import TorchLora

@@ -6,12 +6,9 @@ self-merging launch leaves its counts at zero for the next one."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from triton_interpreter import rerun_interpreted
 
 
 def _reference(qkv, k_pool, v_pool, tables, row, first, count, start, heads, kv_heads, hd,
@@ -32,16 +29,7 @@ def _reference(qkv, k_pool, v_pool, tables, row, first, count, start, heads, kv_
 
 @pytest.mark.parametrize("self_combine", [True, False])
 def test_split_keys_merge_to_the_reference(self_combine, request):
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        # the interpreter is chosen when the kernels are first compiled: run this case
-        # again in a process that starts with it
-        pytest.importorskip("triton")
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                              request.node.nodeid], env=env, capture_output=True, text=True,
-                             cwd=request.config.rootpath, timeout=600)
-        assert out.returncode == 0, out.stdout[-3000:]
-        assert "1 passed" in out.stdout
+    if rerun_interpreted(request):
         return
     from llm_runner_svc.engines.torch_prefill import PrefillChunk, PrefillStager
     from llm_runner_svc.engines.torch_triton_prefill import (

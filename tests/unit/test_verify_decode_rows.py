@@ -7,13 +7,10 @@ writes nothing, so the k and v its rows read are the ones stored before it launc
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
+from triton_interpreter import rerun_interpreted
 
 from llm_runner_svc.engines import create_engine
 from llm_runner_svc.engines.base import EnginePlan
@@ -24,21 +21,6 @@ from llm_runner_svc.engines.torch_ops import Rope, TorchOps, pool_slots
 GREEDY = SampleSpec(0.0, 0, 1.0)
 PAGES = ([0, 1], [2], [3, 4])  # each sequence's pages (page size 8)
 PROMPTS = ([5, 9, 14, 3, 22, 7, 1, 30, 41, 2], [8, 6, 19, 4, 11], [13, 27, 3, 9, 50, 6, 18])
-
-
-def _in_interpreter(request) -> bool:
-    """Run the calling test again in a process whose Triton runs kernels on the CPU
-    (the interpreter is chosen when kernels are first compiled); True when this is it."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          request.node.nodeid], env=env, capture_output=True, text=True,
-                         cwd=request.config.rootpath, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:]
-    assert "1 passed" in out.stdout
-    return False
 
 
 def _engine(stories, kernels: str, verify_tokens: int, device: str = "cpu"):
@@ -115,7 +97,7 @@ def test_verify_rows_as_decode_rows_match_the_prefill_path(stories):
 
 def test_verify_rows_as_decode_rows_match_the_prefill_path_on_triton_kernels(stories,
                                                                                 request):
-    if _in_interpreter(request):
+    if not rerun_interpreted(request):
         _same_as_prefill_path(stories, "triton")
 
 
@@ -166,7 +148,7 @@ def test_decode_attention_without_store_only_reads_the_pool(stories, request):
     while with `stores_kv` it writes the rows' k and v itself: rows of one sequence at
     consecutive positions would then read slots other programs of the same launch write.
     Rows here run in reverse order of position, so a serial interpreter would show that."""
-    if not _in_interpreter(request):
+    if rerun_interpreted(request):
         return
     from llm_runner_svc.engines.torch_triton import TritonOps
 
