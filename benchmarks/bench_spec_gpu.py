@@ -119,26 +119,60 @@ def rows_at(batch: int, position: int, length: int, verify: int, page_size: int,
             for i in range(batch)]
 
 
+class EngineClock:
+    """Wall time spent inside an engine's launch and read (the rest of a runtime step is
+    the host's: scheduling, proposals, acceptance, detokenizing)."""
+
+    def __init__(self, engine: TorchEngine) -> None:
+        self.engine, self.seconds = engine, 0.0
+        self._launch, self._read = engine.launch, engine.read
+
+    def __enter__(self) -> EngineClock:
+        def timed(fn: Any) -> Any:
+            def call(arg: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return fn(arg)
+                finally:
+                    self.seconds += time.perf_counter() - t
+            return call
+        self.engine.launch, self.engine.read = timed(self._launch), timed(self._read)  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.engine.launch, self.engine.read  # back to the class's methods
+
+
 def run_requests(rt: InferenceRuntime, prompts: list[list[int]], steps: int,
-                 speculate: bool = True) -> tuple[dict[str, list[int]], float, float, float]:
+                 speculate: bool = True, timing: dict[str, float] | None = None
+                 ) -> tuple[dict[str, list[int]], float, float, float]:
     """Every prompt greedily to `steps` tokens in one batch: the tokens, the decode rate
     (tokens after each request's first over the time from the step where every request had
-    its first token), acceptance and tokens per target step (0 when plain)."""
+    its first token), acceptance and tokens per target step (0 when plain). `timing`, when
+    given, gets the timed part's steps and ms per step, in the engine and in all."""
+    clock = EngineClock(rt.engine)  # type: ignore[arg-type]
     for i, ids in enumerate(prompts):
         rt.submit(GenerationRequest(f"r{i}", ids, resolve(
             rt.config.sampling, temperature=0.0, max_new_tokens=steps), ignore_eos=True,
             disable_spec_decode=not speculate))
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     metrics = []
-    t_first, at_first = 0.0, 0
-    while rt.has_work:
-        for ev in rt.step():
-            got[ev.request_id] += ev.token_ids
-            if ev.metrics is not None:
-                metrics.append(ev.metrics)
-        if not t_first and all(got.values()):
-            t_first, at_first = time.perf_counter(), sum(len(t) for t in got.values())
+    t_first, at_first, timed_steps, engine_s = 0.0, 0, 0, 0.0
+    with clock:
+        while rt.has_work:
+            for ev in rt.step():
+                got[ev.request_id] += ev.token_ids
+                if ev.metrics is not None:
+                    metrics.append(ev.metrics)
+            if t_first:
+                timed_steps += 1
+            elif all(got.values()):
+                t_first, at_first = time.perf_counter(), sum(len(t) for t in got.values())
+                engine_s = clock.seconds
     elapsed = time.perf_counter() - t_first
+    if timing is not None and timed_steps:
+        timing.update(steps=timed_steps, step_ms=1000 * elapsed / timed_steps,
+                      engine_ms=1000 * (clock.seconds - engine_s) / timed_steps)
     made = sum(len(t) for t in got.values()) - at_first
     proposed = sum(m.proposed_tokens for m in metrics)
     accepted = sum(m.accepted_tokens for m in metrics)
@@ -161,7 +195,10 @@ def replay(engine: TorchEngine, config: ModelConfig, rt_config: RuntimeConfig, b
     rt = InferenceRuntime(engine, model.tokenizer, rt_config)
     rt.preallocate()  # the engine's plan already: a no-op
     run_requests(rt, [p[:16] for p in prompts], 4, speculate=False)  # warm-up
-    plain, plain_tps, _, _ = run_requests(rt, prompts, steps, speculate=False)
+    plain_timing: dict[str, float] = {}
+    spec_timing: dict[str, float] = {}
+    plain, plain_tps, _, _ = run_requests(rt, prompts, steps, speculate=False,
+                                          timing=plain_timing)
     rt.proposer = ReplayProposer(rt_config.spec, {}, config.vocab_size)  # type: ignore
     replayed = run_requests(rt, prompts, steps)[0]  # the recording run
     rounds = 0
@@ -169,7 +206,8 @@ def replay(engine: TorchEngine, config: ModelConfig, rt_config: RuntimeConfig, b
         rounds += 1
         rt.proposer = ReplayProposer(rt_config.spec, replayed,  # type: ignore[assignment]
                                      config.vocab_size)
-        got, spec_tps, acceptance, per_step = run_requests(rt, prompts, steps)
+        got, spec_tps, acceptance, per_step = run_requests(rt, prompts, steps,
+                                                           timing=spec_timing)
         if acceptance == 1.0 or rounds == 3:
             break
         replayed = got
@@ -177,7 +215,34 @@ def replay(engine: TorchEngine, config: ModelConfig, rt_config: RuntimeConfig, b
     return {"plain_tok_s": plain_tps, "replay_tok_s": spec_tps,
             "replay_speedup": spec_tps / plain_tps, "replay_acceptance": acceptance,
             "replay_tokens_per_step": per_step, "replay_rounds": rounds,
-            "same_tokens_as_plain": same / sum(len(t) for t in plain.values())}
+            "same_tokens_as_plain": same / sum(len(t) for t in plain.values()),
+            **{f"plain_{k}": v for k, v in plain_timing.items()},
+            **{f"replay_{k}": v for k, v in spec_timing.items()}}
+
+
+def determinism(engine: TorchEngine, batch: int, k: int, position: int, page_size: int,
+                num_pages: int) -> dict[str, bool]:
+    """Whether a verify step's numbers for row 0 are the same (bit for bit, its K + 1
+    logits rows) when the same step runs again, and when the other rows hold other tokens
+    at other positions (a decode row's numbers should depend on its own token, position and
+    keys only). Rows at staggered positions, as a runtime's rows are."""
+    def logits_of_row0(tokens_shift: int, stagger: int) -> torch.Tensor:
+        rows, next_page = [], 0
+        for i in range(batch):
+            start = position + i * stagger
+            used = (start + k) // page_size + 1
+            pages = [(next_page + p) % num_pages for p in range(used)]
+            next_page += used
+            tokens = tuple((7 + j + (tokens_shift if i else 0)) % 500 for j in range(k + 1))
+            rows.append(Row(tokens, start, pages, GREEDY, verify=k))
+        engine.read(engine.launch(Batch(rows)))
+        logits = engine.state.logits
+        return torch.cat([logits[:1], logits[batch:batch + k]]).clone()
+    base = logits_of_row0(0, 3)
+    again = logits_of_row0(0, 3)
+    others = logits_of_row0(17, 5)
+    return {"same_step_again": bool(torch.equal(base, again)),
+            "row_independent_of_others": bool(torch.equal(base, others))}
 
 
 def draft_costs(draft: TorchEngine, batch: int, prompt: int, k: int, reps: int,
@@ -254,6 +319,8 @@ def main() -> None:
                 costs = draft_costs(eng, b, args.prompt, k, args.reps, ps, pages)
                 r.update({f"{name}_{key}": v for key, v in costs.items()})
                 r[f"{name}_speedup_at_1"] = (k + 1) * decode / (verify + costs["round_ms"])
+        with failure_noted(r, "determinism"):
+            r.update(determinism(target, b, k, args.prompt, ps, pages))
         with failure_noted(r, "replay"):
             r.update(replay(target, config, rt_config, b, args.prompt, args.steps))
         if b == batches[0]:  # the verify step's cost by proposal length
