@@ -33,6 +33,7 @@ from llm_runner_svc.engines.batch import HiddenStates, Row
 from llm_runner_svc.runtime.kv import PagePool
 from llm_runner_svc.runtime.prefix_cache import PrefixCache, window
 from llm_runner_svc.runtime.request import SeqStatus, SequenceState
+from llm_runner_svc.runtime.speculative import verify_shares
 
 Planned = list[tuple[SequenceState, Row]]
 
@@ -145,9 +146,11 @@ class Scheduler:
     def _propose(self, held: Set[str]) -> dict[int, list[int]]:
         """The proposals of every speculative request that decodes this step, asked of each
         proposer at once (a draft model runs them as one batch per draft step), as long as
-        their length limits allow; `_proposal` cuts them to the budget and the pages."""
+        their length limits and the step's verify budget (`max_verify_tokens`) allow;
+        `_proposal` cuts them to the token budget and the pages."""
         groups: dict[int, tuple[Any, list[SequenceState], list[int]]] = {}
         decoding = sum(seq.status is SeqStatus.DECODING for seq in self.running)
+        wanted: list[tuple[SequenceState, int]] = []
         for seq in self.running:
             if seq.proposer is None or seq.status is not SeqStatus.DECODING or seq.pending \
                     or not self._may_step(seq, held):
@@ -156,9 +159,16 @@ class Scheduler:
                 continue  # too many decode together: plain rows cost less than verify rows
             k = min(seq.proposer.config.proposal_tokens, self.max_seq - seq.computed - 1,
                     seq.req.sampling.max_new_tokens - len(seq.output_ids) - 1)
-            _, seqs, ks = groups.setdefault(id(seq.proposer), (seq.proposer, [], []))
-            seqs.append(seq)
-            ks.append(max(k, 0))
+            if k > 0:
+                wanted.append((seq, k))
+        if wanted:  # every speculative request of a runtime shares its one config
+            config = wanted[0][0].proposer.config
+            shares = verify_shares([k for _, k in wanted], config.min_proposal,
+                                   config.max_verify_tokens)
+            for (seq, _), k in zip(wanted, shares, strict=True):
+                _, seqs, ks = groups.setdefault(id(seq.proposer), (seq.proposer, [], []))
+                seqs.append(seq)
+                ks.append(k)
         out: dict[int, list[int]] = {}
         for proposer, seqs, ks in groups.values():
             for seq, proposal in zip(seqs, proposer.propose_batch(seqs, ks), strict=True):

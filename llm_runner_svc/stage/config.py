@@ -268,7 +268,8 @@ def _spec_config(raw: Mapping[str, Any] | None, draft: str) -> SpecConfig | None
     """`spec_decode` (a linear chain, checked by runner_keys): method ngram unless a
     `draft_checkpoint` makes it draft. K is proposal_tokens (0: draft_step, else 4), capped
     by dspark_max_proposal_len (0 = no cap); verify_tokens, when given, is K + 1. Proposals
-    shorter than dspark_min_proposal_len are not verified. dspark_scheduler "threshold"
+    shorter than dspark_min_proposal_len are not verified; max_verify_tokens (unset: the
+    default) bounds a step's verify tokens. dspark_scheduler "threshold"
     stops a draft's proposal where its top probability falls below
     dspark_confidence_threshold."""
     if raw is None:
@@ -295,7 +296,9 @@ def _spec_config(raw: Mapping[str, Any] | None, draft: str) -> SpecConfig | None
                           min_proposal=raw.get("dspark_min_proposal_len", 1),
                           draft_layers=raw.get("draft_layers", 0), draft_checkpoint=draft,
                           confidence_threshold=float(threshold or 0.0),
-                          max_batch=raw.get("disable_by_batch_size", 0))
+                          max_batch=raw.get("disable_by_batch_size", 0),
+                          max_verify_tokens=raw.get("max_verify_tokens",
+                                                    SpecConfig.max_verify_tokens))
     except RunnerError as exc:
         raise ConfigError(f"config.{exc.message}") from exc
 

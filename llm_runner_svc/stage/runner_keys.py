@@ -161,6 +161,7 @@ RUNNER_KEYS = Obj(noun="LlmRunner key", fields={
         "method": Text(("ngram", "self", "draft")),  # ours: the proposer
         "draft_layers": POSITIVE,  # ours: layers the `self` draft keeps
         "disable_by_batch_size": COUNT,  # ours: no proposals while more requests decode
+        "max_verify_tokens": COUNT,  # ours: a step's verify rows' tokens, K cut to fit (0: any)
         "draft_top_k": POSITIVE,
         "draft_step": POSITIVE,
         "proposal_tokens": COUNT,  # 0 = from the draft engine's config

@@ -204,6 +204,12 @@ def test_defaults_and_hidden_port():
     ({"spec_decode": {"draft_step": True}}, "config.spec_decode.draft_step: must be an integer "
                                             ">= 1, got True"),
     ({"ple": {"file": ""}}, "config.ple.file: must be a non-empty string, got ''"),
+    ({"spec_decode": {"max_verify_tokens": "64"}},
+     "config.spec_decode.max_verify_tokens: must be an integer >= 0, got '64'"),
+    ({"spec_decode": {"max_verify_tokens": -8}},
+     "config.spec_decode.max_verify_tokens: must be an integer >= 0, got -8"),
+    ({"spec_decode": {"max_verify_tokens": 6.5}},
+     "config.spec_decode.max_verify_tokens: must be an integer >= 0, got 6.5"),
     ({"context_cache": {"max_snapshots": -1}},  # range
      "config.context_cache.max_snapshots: must be an integer >= 0, got -1"),
     ({"spec_decode": {"dspark_confidence_threshold": 1.5}},
@@ -221,7 +227,7 @@ def test_defaults_and_hidden_port():
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_nested_value_breaking_its_rule_names_the_path(tmp_path, cfg, message):
     exc = _raises(tmp_path, _with_config(**cfg))
-    assert isinstance(exc, ConfigError)
+    assert isinstance(exc, ConfigError) and exc.code == "INVALID_ARGUMENT"
     assert message in exc.message
     assert exc.message.startswith(f"{tmp_path / 'stage.json'}: stages[0].config.")
 
@@ -298,6 +304,13 @@ def test_spec_decode_ngram_is_honoured_and_its_lengths_read(tmp_path):
     assert cfg.spec is not None
     assert (cfg.spec.method, cfg.spec.proposal_tokens, cfg.spec.min_proposal) == ("ngram", 5, 2)
     assert cfg.runtime_config().spec == cfg.spec
+
+
+@pytest.mark.parametrize("value, budget", [(None, 64), (0, 0), (24, 24)])
+def test_spec_decode_verify_budget_is_read_with_its_default(tmp_path, value, budget):
+    spec = {"proposal_tokens": 4} | ({} if value is None else {"max_verify_tokens": value})
+    cfg = load_stage_config(_write(tmp_path, {"stages": [_with_config(spec_decode=spec)]}))
+    assert cfg.spec is not None and cfg.spec.max_verify_tokens == budget
 
 
 def test_spec_decode_self_and_draft_read_their_settings(tmp_path):
