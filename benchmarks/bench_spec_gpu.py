@@ -30,7 +30,8 @@ Per round, the figures give the speedup at acceptance 1.0 (K + 1 tokens per targ
 (K + 1) x decode / (verify + round). Prints a table and writes every figure as JSON.
 
 Usage: python benchmarks/bench_spec_gpu.py [--target qwen2.5-7b] [--draft qwen2.5-0.5b]
-       [--batches 1,8,32] [--k 4] [--prompt 256] [--steps 64] [--json FILE]
+       [--batches 1,8,32] [--k 4] [--max-verify-tokens N] [--prompt 256] [--steps 64]
+       [--json FILE]
        [--device cpu --smoke]   (a tiny shape on the CPU: checks the script runs)
 """
 
@@ -271,6 +272,8 @@ def main() -> None:
     ap.add_argument("--draft", default="qwen2.5-0.5b")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-verify-tokens", type=int, default=0,
+                    help="spec_decode.max_verify_tokens for (a) (0: every proposal whole)")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
@@ -290,7 +293,8 @@ def main() -> None:
     # the plan holds verify rows of K tokens: the target captures verify variants of its
     # decode graph for up to max_batch * (K + 1) rows
     rt_config = RuntimeConfig(max_batch=max(batches), max_seq=args.prompt + args.steps + 32,
-                              spec=SpecConfig("ngram", k))
+                              spec=SpecConfig("ngram", k,
+                                                  max_verify_tokens=args.max_verify_tokens))
     t0 = time.perf_counter()
     target = TorchEngine(config, random_weights(config, device, dtype, seed=0), device=device)
     model = gpu_paths.random_model("target", config, None)
