@@ -19,7 +19,13 @@ and read back, as a speculative step is):
     the bucket: when acceptance falls short, the next round replays the last run's own
     output (up to three); the acceptance and rounds are printed. In bf16 this continuation
     may differ from the plain run's at near-ties of random weights (`same_tokens_as_plain`
-    in the JSON); in float32 the GPU tests show both are the same;
+    in the JSON); in float32 the GPU tests show both are the same. The prompts' KV is
+    cached by a first one-token run (prefix cache on), so every request's prefill is its
+    last page and every request decodes from the same step; the rate counts the steps after
+    it (their number, and ms per step in all and inside the engine, are in the JSON);
+  - determinism: whether row 0 of a verify step gives the same logits, bit for bit, run
+    again and beside other rows at other positions (`same_step_again`,
+    `row_independent_of_others`);
   - (b) draft: a model of the 0.5B shape with the 7B vocabulary proposing for the 7B
     target: its one-token step and its two-token catch-up step (the tokens the last verify
     accepted; decode rows of its decode graph's verify variant, as verify rows run), so one
@@ -193,9 +199,13 @@ def replay(engine: TorchEngine, config: ModelConfig, rt_config: RuntimeConfig, b
     model = gpu_paths.random_model("target", config, None)
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, config.vocab_size, (batch, prompt), generator=gen).tolist()
-    rt = InferenceRuntime(engine, model.tokenizer, rt_config)
+    # with the prompts' KV cached, every request's prefill is its last page, all in one step,
+    # so every request decodes from the same step on (else the first ones to be prefilled
+    # run ahead, speculating, and may end before the last one starts)
+    rt = InferenceRuntime(engine, model.tokenizer,
+                          dataclasses.replace(rt_config, prefix_cache=True))
     rt.preallocate()  # the engine's plan already: a no-op
-    run_requests(rt, [p[:16] for p in prompts], 4, speculate=False)  # warm-up
+    run_requests(rt, prompts, 1, speculate=False)  # warm-up, and the prompts' KV cached
     plain_timing: dict[str, float] = {}
     spec_timing: dict[str, float] = {}
     plain, plain_tps, _, _ = run_requests(rt, prompts, steps, speculate=False,
@@ -230,7 +240,7 @@ def determinism(engine: TorchEngine, batch: int, k: int, position: int, page_siz
     def logits_of_row0(tokens_shift: int, stagger: int) -> torch.Tensor:
         rows, next_page = [], 0
         for i in range(batch):
-            start = position + i * stagger
+            start = max(1, position - i * stagger)
             used = (start + k) // page_size + 1
             pages = [(next_page + p) % num_pages for p in range(used)]
             next_page += used
