@@ -109,6 +109,39 @@ def test_logits_match_the_merged_model(stories, adapters, engine):
         assert np.abs(got[k] - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max()), k
 
 
+@pytest.mark.parametrize("engine", ["torch", "torch-gather"])
+def test_bf16_logits_near_the_float32_merged_model(stories, adapters, engine):
+    """In bf16, a prompt's logits on each adapter against the float32 merged model, the
+    truth: within 2.5 times what rounding the merged model to bf16 moves them (the adapter
+    path rounds A, B and the shrink's result where a merged model rounds its weights once;
+    the test adapters' terms outweigh stories260K's weights, so that rounding alone moves
+    the logits by percents), and far nearer than the base model is."""
+    plan = EnginePlan(max_batch=3, max_seq=64, page_size=4, num_pages=48, prefill_chunk=16)
+    ids = tuple(PROMPTS[2])
+
+    def logits(weights, dtype, adapter_rows):
+        eng = _engine(stories, engine, weights, adapters if adapter_rows else (), dtype=dtype)
+        eng.preallocate(plan)
+        ks = adapter_rows or [0]
+        rows = [Row(ids, 0, tuple(range(8 * i, 8 * i + 8)), adapter=k)
+                for i, k in enumerate(ks)]
+        eng.read(eng.launch(Batch(tuple(rows), keep_logits=True)))
+        out = np.array(eng.logits(len(rows)), dtype=np.float32)
+        eng.close()
+        return out
+
+    got = logits(None, "bfloat16", [1, 2, 3])
+    base = logits(None, "float32", [])[0]
+    for k in (1, 2, 3):
+        merged = merge_adapter(stories.weights, adapters[k - 1])
+        truth = logits(merged, "float32", [])[0]
+        rounded = logits(merged, "bfloat16", [])[0]
+        err = np.abs(got[k - 1] - truth).max() / np.abs(truth).max()
+        rounding = np.abs(rounded - truth).max() / np.abs(truth).max()
+        without = np.abs(base - truth).max() / np.abs(truth).max()
+        assert err <= 2.5 * rounding + 1e-2 < without / 4, k
+
+
 def test_unknown_adapter_index_is_refused(stories, adapters):
     rt = _runtime(stories, "numpy", adapters=adapters, max_batch=2)
     sampling = resolve(rt.config.sampling, temperature=0.0, max_new_tokens=4)

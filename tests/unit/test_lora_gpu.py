@@ -6,7 +6,8 @@ whose Triton kernels add each row's adapter from the stacked buffers (torch_lora
   after the graphs were captured is what the next steps compute;
 - bf16: the graphs' kernels (batch 1: the LoRA terms inside the fused products; a few rows:
   per-row kernels; more: kernels that group rows by adapter) against the grouped eager
-  products on the same engine state, and against the merged model, within bf16 rounding;
+  products on the same engine state, and against the float32 merged model within a small
+  multiple of what rounding the merged model to bf16 moves the logits;
 - decode steps with adapter rows replay graphs and allocate nothing.
 These tests need a GPU; CI has none (the kernels run on Triton's CPU interpreter in
 tests/unit/test_lora_slots.py and tests/unit/test_lora_fused.py).
@@ -97,12 +98,13 @@ def test_adapter_set_after_capture(stories, adapters):
     rt.close()
 
 
-def _decode_logits(stories, adapters, jobs, weights=None, kernel="auto") -> np.ndarray:
+def _decode_logits(stories, adapters, jobs, weights=None, kernel="auto",
+                   dtype="bfloat16") -> np.ndarray:
     """Logits of one decode step (after each job's prompt prefilled) of `jobs` (prompt,
-    adapter) as one batch, on the GPU in bf16 (adapters in bf16 stacked buffers)."""
+    adapter) as one batch, on the GPU in `dtype` (adapters in stacked buffers of it)."""
     n = len(jobs)
     eng = create_engine("torch", stories.config, weights or stories.weights, device="cuda",
-                        adapters=adapters)
+                        dtype=dtype, adapters=adapters)
     if adapters:
         eng.reserve_adapters(len(adapters), kernel=kernel)
     eng.preallocate(EnginePlan(max_batch=n, max_seq=64, page_size=4, num_pages=16 * n,
@@ -135,19 +137,23 @@ def test_bf16_graph_kernels_against_grouped_products(stories, adapters, n):
 
 @pytest.mark.parametrize("n", [1, 6])
 def test_bf16_against_the_merged_model(stories, adapters, n):
-    """Every row on one adapter against the merged model's own graph, within bf16 rounding
-    (the merged weights are rounded to bf16 once): at batch 1 both run the fused products
-    (the adapter's terms inside them: their shrinks norm the residual stream as the
-    products do, the gate/up term goes in before the SiLU; an earlier fused path strayed
-    here by a tenth of the logits' scale), at batch 6 cuBLAS with the grouped kernels (the
-    adapter on all seven modules)."""
+    """Every row on one adapter in bf16 against the truth, the merged model in float32:
+    within 2.5 times what rounding the merged model to bf16 moves the logits (the adapter
+    path rounds A, B and the shrink's result, a merged model its weights once; the test
+    adapters' terms outweigh stories260K's own weights, so that rounding alone moves the
+    logits by percents; test_lora.py checks the same on the CPU). At batch 1 the graph
+    runs the fused products (the adapter's terms inside them: their shrinks norm the
+    residual stream as the products do, the gate/up term goes in before the SiLU), at
+    batch 6 cuBLAS with the grouped kernels (the adapter on all seven modules)."""
     jobs = [(PROMPTS[(2 + i) % 8], 0) for i in range(n)]
     for k, adapter in list(enumerate(adapters, 1))[:3 if n == 1 else 1]:
         got = _decode_logits(stories, adapters, [(ids, k) for ids, _ in jobs])
         merged = merge_adapter(stories.weights, adapter)
-        want = _decode_logits(stories, [], jobs, weights=merged)
-        print(f"bf16 batch {n}, adapter {k} vs merged: rel {_rel(got, want):.1e}")
-        assert _rel(got, want) < 3e-2
+        truth = _decode_logits(stories, [], jobs, weights=merged, dtype="float32")
+        rounded = _decode_logits(stories, [], jobs, weights=merged)
+        print(f"bf16 batch {n}, adapter {k} against the float32 merged model: rel "
+              f"{_rel(got, truth):.1e}; the bf16 merged model {_rel(rounded, truth):.1e}")
+        assert _rel(got, truth) <= 2.5 * _rel(rounded, truth) + 1e-2
 
 
 def test_adapter_decode_steps_replay_graphs_and_do_not_allocate(stories, adapters):
