@@ -157,11 +157,19 @@ class Forward:
             assert lora_slots is not None
             return adapters.shrink_rows(li, matrix, inp, lora_slots, norm, is_shrunk)
 
+        beside = False  # grouped LoRA shrinks on a side stream, beside the base products
         if adapters is not None:
             if lora_slots is None or not adapters.fuses_rows(n):
                 fused = _unfused
             if lora_slots is not None:
                 adapters.begin_rows(n)
+                beside = adapters.overlaps(n)
+
+        def shrink_beside(li: int, matrix: str, inp: torch.Tensor) -> None:
+            if beside:
+                assert adapters is not None and lora_slots is not None
+                adapters.shrink_beside(li, matrix, inp, lora_slots)
+
         x, h = s.x[:n], s.h[:n]
         for li, lw in enumerate(self.weights.layers):
             if fused(lw.qkv, STORE):
@@ -172,12 +180,13 @@ class Forward:
             else:
                 qkv = s.qkv[:n]
                 ops.rms_norm(x, lw.attn_norm, h)
+                shrink_beside(li, "qkv", h)
                 if lw.qkv_bias is not None:
                     torch.addmm(lw.qkv_bias, h, lw.qkv.t(), out=qkv)
                 else:
                     torch.mm(h, lw.qkv.t(), out=qkv)
                 if adapters is not None:
-                    add_lora(li, "qkv", h, qkv)
+                    add_lora(li, "qkv", h, qkv, beside)
             if slots is not None:
                 ops.rope_store(qkv, positions, slots, s.cos, s.sin, s.k_pool[li],
                                s.v_pool[li], lw.q_norm, lw.k_norm)
@@ -188,9 +197,10 @@ class Forward:
                 assert products is not None
                 products.accumulate(attn, lw.wo, x, term(li, "o", attn))
             else:
+                shrink_beside(li, "o", attn)
                 self._accumulate(x, attn, lw.wo)
                 if adapters is not None:
-                    add_lora(li, "o", attn, x)
+                    add_lora(li, "o", attn, x, beside)
             down_fused = fused(lw.down, ACCUMULATE)
             act = s.act_f[:n] if down_fused else s.act[:n]
             is_shrunk = False
@@ -200,9 +210,10 @@ class Forward:
                                    term(li, "gate_up", x, lw.ffn_norm))
             else:
                 ops.rms_norm(x, lw.ffn_norm, h)
+                shrink_beside(li, "gate_up", h)
                 torch.mm(h, lw.gate_up.t(), out=s.gate_up[:n])
                 if adapters is not None and lora_slots is not None and adapters.fuses_gate:
-                    adapters.gate_rows(li, h, s.gate_up[:n], act, lora_slots)
+                    adapters.gate_rows(li, h, s.gate_up[:n], act, lora_slots, beside)
                     is_shrunk = True  # down's shrink ran with the SiLU gate
                 else:
                     if adapters is not None:

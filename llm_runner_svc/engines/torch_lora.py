@@ -95,6 +95,11 @@ class TorchLora:
         self.max_r_cols = 3 * r  # the widest matrix's M r (q/k/v)
         self.t: torch.Tensor | None = None  # [4 layers, rows, 3 r] float32 (`reserve`)
         self.adapters: list[LoraAdapter | None] = [None] * (num_slots + 1)  # in each slot
+        # grouped shrinks run on a side stream beside the base product reading the same
+        # input (`shrink_beside`); the expand after the product joins it
+        self._side = torch.cuda.Stream(device) if (
+            device.type == "cuda" and kernel == "triton") else None
+        self._beside = False  # a shrink on the side stream not joined yet
         self.nbytes = sum(t.nbytes for t in (*self.a.values(), *self.b.values()))
         for k, adapter in enumerate(adapters, 1):
             if adapter is not None:
@@ -197,21 +202,51 @@ class TorchLora:
             shrink(x, self.a[matrix][layer], idx, t, norm, self.cfg.rms_eps)
         return LoraTerm(t, self.b[matrix][layer], idx, self.starts(matrix), self.rank)
 
+    def overlaps(self, n: int) -> bool:
+        """Whether a decode step of n rows runs its grouped shrinks beside the products
+        (`shrink_beside`); else `add_rows` and `gate_rows` shrink in line."""
+        return self._side is not None and n > PER_ROW_ROWS and self.num_slots > 0
+
+    def shrink_beside(self, layer: int, matrix: str, x: torch.Tensor,
+                      idx: torch.Tensor) -> None:
+        """Start the grouped shrink of x (the input of `matrix`'s base product, which may
+        run meanwhile) on the side stream, after what the current stream launched; the
+        next `add_rows` / `gate_rows` of `matrix` with `is_shrunk` joins it. In a captured
+        graph the fork and the join are graph edges."""
+        from llm_runner_svc.engines import torch_lora_triton as kernels
+
+        assert self._side is not None
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            kernels.grouped_shrink(x, self.a[matrix][layer], idx,
+                                   self._scratch(layer, matrix, x.shape[0]))
+        self._beside = True
+
+    def _join(self) -> None:
+        """The current stream waits for the side stream's shrink, if one is pending."""
+        if self._beside:
+            assert self._side is not None
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            self._beside = False
+
     @property
     def fuses_gate(self) -> bool:
         """Whether `gate_rows` can stand for `add_rows` on gate/up and the SiLU gate."""
         return self.kernel == "triton" and self.num_slots > 0
 
     def gate_rows(self, layer: int, x: torch.Tensor, gate_up: torch.Tensor, out: torch.Tensor,
-                  idx: torch.Tensor) -> None:
+                  idx: torch.Tensor, is_shrunk: bool = False) -> None:
         """out [n, F] = silu(g) * u for [g | u] = gate_up [n, 2F] + each row's gate/up LoRA
         term of x [n, in]: the expand and the SiLU gate in one kernel, which also shrinks
-        out for down (down's `shrink_rows` / `add_rows` then take `is_shrunk`)."""
+        out for down (down's `shrink_rows` / `add_rows` then take `is_shrunk`).
+        `is_shrunk`: gate/up's shrink ran already (`shrink_beside`)."""
         from llm_runner_svc.engines import torch_lora_triton as kernels
 
         n = x.shape[0]
         t = self._scratch(layer, "gate_up", n)
-        if n <= PER_ROW_ROWS:
+        if is_shrunk:
+            self._join()
+        elif n <= PER_ROW_ROWS:
             self.shrink_rows(layer, "gate_up", x, idx)
         else:
             kernels.grouped_shrink(x, self.a["gate_up"][layer], idx, t)
@@ -222,7 +257,8 @@ class TorchLora:
                  idx: torch.Tensor, is_shrunk: bool = False) -> None:
         """out[i] += x[i] @ A^T[idx[i]] @ B^T[idx[i]] for every row i (slot 0: nothing);
         x [n, in], out [n, out], idx [n] int32 on the device. `is_shrunk`: the scratch
-        holds x @ A^T already (`gate_rows`; Triton kernels only)."""
+        holds x @ A^T already, or will once the side stream is joined (`gate_rows`,
+        `shrink_beside`; Triton kernels only)."""
         r, bounds = self.rank, self.bounds[matrix]
         a, b = self.a[matrix][layer], self.b[matrix][layer]
         n = x.shape[0]
@@ -234,7 +270,9 @@ class TorchLora:
                 self.shrink_rows(layer, matrix, x, idx, is_shrunk=is_shrunk)
                 kernels.expand(t, b, idx, out, self.starts(matrix))
             elif self.num_slots > 0:
-                if not is_shrunk:
+                if is_shrunk:
+                    self._join()
+                else:
                     kernels.grouped_shrink(x, a, idx, t)
                 kernels.grouped_expand(t, b, idx, out, self.starts(matrix), len(bounds) - 1)
             return
