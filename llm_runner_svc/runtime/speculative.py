@@ -46,12 +46,14 @@ class SpecConfig:
     max_batch: int = 0  # no proposals in a step where more requests decode (0: no limit): at
     # load a verify row's K + 1 positions cost more than a decode row's one, which low
     # acceptance does not return
-    max_verify_tokens: int = 64  # the tokens of a step's verify rows together (0: no
+    max_verify_tokens: int = 256  # the tokens of a step's verify rows together (0: no
     # limit): past it every speculating request's K is cut alike (`verify_shares`). A verify
-    # step costs what a decode step does while its products stay bound by reading the
-    # weights: measured at the 7B shape with K = 4 on the GPU, verify / decode is 1.06x at
-    # 1 request (5 rows), 1.08x at 8 (40 rows) but 1.28x at 32 (160 rows). 64 keeps K = 4
-    # up to 12 requests and K = 1 at 32, well below where the cost turns
+    # step costs about what a decode step does while its products stay bound by reading the
+    # weights: measured at the 7B shape with K = 4 on an H100, verify / decode is 1.06x at
+    # 1 request (5 rows), 1.08x at 8 (40 rows), 1.27x at 32 (160 rows), where replaying
+    # accepted proposals still decodes 3.3x plain's tokens/s. Products of a few hundred
+    # rows turn compute-bound (bf16 tensor-core rate over memory bandwidth is about 300
+    # flops per byte there), so 256 keeps K = 4 up to 51 requests and cuts it past that
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

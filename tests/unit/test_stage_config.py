@@ -306,7 +306,7 @@ def test_spec_decode_ngram_is_honoured_and_its_lengths_read(tmp_path):
     assert cfg.runtime_config().spec == cfg.spec
 
 
-@pytest.mark.parametrize("value, budget", [(None, 64), (0, 0), (24, 24)])
+@pytest.mark.parametrize("value, budget", [(None, 256), (0, 0), (24, 24)])
 def test_spec_decode_verify_budget_is_read_with_its_default(tmp_path, value, budget):
     spec = {"proposal_tokens": 4} | ({} if value is None else {"max_verify_tokens": value})
     cfg = load_stage_config(_write(tmp_path, {"stages": [_with_config(spec_decode=spec)]}))

@@ -119,11 +119,11 @@ def _verify_tokens(batch: Batch) -> int:
 
 
 @pytest.mark.parametrize("engine", ["numpy", "torch"])
-def test_every_step_verifies_within_the_default_budget_at_sixteen_requests(stories, engine):
-    """16 requests proposing K = 4 would verify 80 tokens a step; under the default budget
-    (64) each verifies 3, and the output is plain greedy's."""
+def test_every_step_verifies_within_its_budget_at_sixteen_requests(stories, engine):
+    """16 requests proposing K = 4 would verify 80 tokens a step; under a budget of 64
+    each verifies 3, and the output is plain greedy's."""
     plain, _, _ = _run(stories, engine, None, 16)
-    spec = SpecConfig(proposal_tokens=4)
+    spec = SpecConfig(proposal_tokens=4, max_verify_tokens=64)
     got, metrics, batches = _run(stories, engine, spec, 16, scripted=plain)
     assert got == plain
     assert max(_verify_tokens(b) for b in batches) <= 64
@@ -186,9 +186,9 @@ def test_budget_zero_verifies_every_proposal_whole(stories, engine):
 
 
 def test_the_default_budget_leaves_small_batches_as_they_were(stories):
-    """Unset, the budget is 64 tokens: four requests at K 4 (20 tokens) never reach it, so
+    """Unset, the budget is 256 tokens: four requests at K 4 (20 tokens) never reach it, so
     every batch is the one without a budget."""
-    assert SpecConfig().max_verify_tokens == 64
+    assert SpecConfig().max_verify_tokens == 256
     plain, _, _ = _run(stories, "numpy", None, 4)
     default = _run(stories, "numpy", SpecConfig(proposal_tokens=4), 4, scripted=plain)
     unlimited = _run(stories, "numpy", SpecConfig(proposal_tokens=4, max_verify_tokens=0), 4,
