@@ -10,17 +10,15 @@ rank columns of the module, q/k/v or gate/up, it belongs to); rows on slot 0 rea
     shrink is split over `in` so one row still spreads over many programs, and can RMS-norm
     its input first (the fused products' normed input is never written out); the fused
     products add the expand themselves (torch_triton_products.py);
-  - grouped by adapter (larger batches): a program per tile and block of 16 rows loops
-    over the adapter slots its rows are on; for each, it reads the slot's tile of A^T or
-    B^T and multiplies it, on the tensor cores, with the block's rows on it (the others
-    masked to zero), summing into one result it writes (or adds into t) once. A step reads
-    each adapter present once per 16-row block holding its rows instead of once per row,
-    and a batch on eight adapters launches as many programs as one on a single adapter: no
-    sorting, no staging, no program waiting on another.
+  - grouped by adapter (larger batches): a program per adapter slot, tile and block of 16
+    rows; if the block holds one of the slot's rows, it reads the slot's tile of A^T or B^T
+    and multiplies it, on the tensor cores, with those rows (the others masked out, reading
+    nothing). A step reads each adapter present once per 16-row block holding its rows
+    instead of once per row, and no program waits on another: no sorting, no staging, no
+    loop (a program whose block has none of its slot's rows exits after reading 16 slots).
 gate/up's expand on the unfused products also applies the SiLU gate and runs down's shrink
-over the tile it writes (`expand_gate`, grouped the same way, the base model's rows gated
-in the same programs): two launches fewer a layer, and no round trip of the bf16 gate/up
-output.
+over the tile it writes (`expand_gate`, grouped the same way, the base model's rows in slot
+0's programs): two launches fewer a layer, and no round trip of the bf16 gate/up output.
 """
 
 from __future__ import annotations
@@ -100,70 +98,61 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _block_rows(idx_ptr, n_rows, BLOCK_M: tl.constexpr):
-    """(rows, slots): row block program_id(1)'s rows and their adapter slots (-1 past the
-    batch)."""
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    return rows, tl.load(idx_ptr + rows, mask=rows < n_rows, other=-1)
+def _slot_rows(idx_ptr, n_rows, slot, BLOCK_M: tl.constexpr):
+    """(rows, mine): row block program_id(2) and which of its rows are on `slot`."""
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mine = tl.load(idx_ptr + rows, mask=rows < n_rows, other=-1) == slot
+    return rows, mine
 
 
 @triton.jit
 def grouped_shrink_kernel(x_ptr, x_stride, a_ptr, a_slot_stride, idx_ptr, t_ptr, t_stride,
-                          n_rows, n_in, n_slots, R: tl.constexpr, BLOCK_M: tl.constexpr,
+                          n_rows, n_in, R: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
-    """Grid (cdiv(n_in, BLOCK_K), cdiv(n_rows, BLOCK_M)): the block's adapter rows times,
-    for each slot 1 .. n_slots that one of them is on, that slot's A^T tile (the other
-    rows masked to zero), summed and added into t once."""
-    rows, slots = _block_rows(idx_ptr, n_rows, BLOCK_M)
-    on_adapter = slots > 0
-    if tl.sum(on_adapter.to(tl.int32), axis=0) > 0:
-        ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    """Grid (slots, cdiv(n_in, BLOCK_K), cdiv(n_rows, BLOCK_M)): if row block
+    program_id(2) holds a row on slot program_id(0) + 1, that slot's A^T tile times those
+    rows (the others masked out, reading nothing), added into t."""
+    slot = tl.program_id(0) + 1
+    rows, mine = _slot_rows(idx_ptr, n_rows, slot, BLOCK_M)
+    if tl.sum(mine.to(tl.int32), axis=0) > 0:
+        ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         rs = tl.arange(0, BLOCK_R)
         kmask = ks < n_in
-        amask = kmask[:, None] & (rs[None, :] < R)
+        a = tl.load(a_ptr + slot.to(tl.int64) * a_slot_stride + ks[:, None] * R + rs[None, :],
+                    mask=kmask[:, None] & (rs[None, :] < R), other=0.0)  # [BLOCK_K, BLOCK_R]
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + ks[None, :],
-                    mask=on_adapter[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-        for slot in range(1, n_slots + 1):
-            mine = slots == slot
-            if tl.sum(mine.to(tl.int32), axis=0) > 0:
-                a = tl.load(a_ptr + slot * a_slot_stride + ks[:, None] * R + rs[None, :],
-                            mask=amask, other=0.0)  # [BLOCK_K, BLOCK_R]
-                acc = _dot(tl.where(mine[:, None], x, 0.0), a, acc, IEEE)
-        tl.atomic_add(t_ptr + rows[:, None] * t_stride + rs[None, :], acc,
-                      mask=on_adapter[:, None] & (rs[None, :] < R))
+                    mask=mine[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        part = _dot(x, a, tl.zeros([BLOCK_M, BLOCK_R], tl.float32), IEEE)
+        tl.atomic_add(t_ptr + rows[:, None] * t_stride + rs[None, :], part,
+                      mask=mine[:, None] & (rs[None, :] < R))
 
 
 @triton.jit
 def grouped_expand_kernel(t_ptr, t_stride, b_ptr, b_slot_stride, idx_ptr, out_ptr, out_stride,
-                          n_rows, n_out, n_slots, bound1, bound2, r: tl.constexpr,
+                          n_rows, n_out, bound1, bound2, r: tl.constexpr,
                           NUM_MODULES: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
-    """Grid (cdiv(n_out, BLOCK_N), cdiv(n_rows, BLOCK_M)): for each slot 1 .. n_slots
-    that a row of the block is on, each module's rank columns of t for those rows times the
-    slot's B^T tile of the module's columns; the sum added onto the block's adapter rows of
-    out once (each output element has one writer)."""
-    rows, slots = _block_rows(idx_ptr, n_rows, BLOCK_M)
-    on_adapter = slots > 0
-    if tl.sum(on_adapter.to(tl.int32), axis=0) > 0:
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Grid (slots, cdiv(n_out, BLOCK_N), cdiv(n_rows, BLOCK_M)): if row block
+    program_id(2) holds a row on slot program_id(0) + 1, each module's rank columns of t
+    for those rows times the slot's B^T tile of the module's columns, added onto those
+    rows of out (only the slot's own rows: each output element has one writer)."""
+    slot = tl.program_id(0) + 1
+    rows, mine = _slot_rows(idx_ptr, n_rows, slot, BLOCK_M)
+    if tl.sum(mine.to(tl.int32), axis=0) > 0:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         js = tl.arange(0, BLOCK_R)
         cmask = cols < n_out
         jmask = js < r
         module = (cols >= bound1).to(tl.int32) + (cols >= bound2).to(tl.int32)  # [BLOCK_N]
+        b = tl.load(b_ptr + slot.to(tl.int64) * b_slot_stride + js[:, None] * n_out
+                    + cols[None, :], mask=jmask[:, None] & cmask[None, :], other=0.0)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for slot in range(1, n_slots + 1):
-            mine = slots == slot
-            if tl.sum(mine.to(tl.int32), axis=0) > 0:
-                b = tl.load(b_ptr + slot * b_slot_stride + js[:, None] * n_out
-                            + cols[None, :], mask=jmask[:, None] & cmask[None, :], other=0.0)
-                for j in tl.static_range(NUM_MODULES):
-                    tv = tl.load(t_ptr + rows[:, None] * t_stride + j * r + js[None, :],
-                                 mask=mine[:, None] & jmask[None, :], other=0.0)
-                    acc = _dot(tv, tl.where((module == j)[None, :], b, 0.0).to(b.dtype), acc,
-                               IEEE)
+        for j in tl.static_range(NUM_MODULES):
+            tv = tl.load(t_ptr + rows[:, None] * t_stride + j * r + js[None, :],
+                         mask=mine[:, None] & jmask[None, :], other=0.0)
+            acc = _dot(tv, tl.where((module == j)[None, :], b, 0.0).to(b.dtype), acc, IEEE)
         offs = rows[:, None].to(tl.int64) * out_stride + cols[None, :]
-        omask = on_adapter[:, None] & cmask[None, :]
+        omask = mine[:, None] & cmask[None, :]
         o = tl.load(out_ptr + offs, mask=omask, other=0.0).to(tl.float32)
         tl.store(out_ptr + offs, (o + acc).to(out_ptr.dtype.element_ty), mask=omask)
 
@@ -171,50 +160,45 @@ def grouped_expand_kernel(t_ptr, t_stride, b_ptr, b_slot_stride, idx_ptr, out_pt
 @triton.jit
 def expand_gate_kernel(gu_ptr, gu_stride, t_ptr, t_stride, b_ptr, b_slot_stride, idx_ptr,
                        out_ptr, out_stride, a_ptr, a_slot_stride, t2_ptr, t2_stride, n_rows, F,
-                       n_slots, r: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       r: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
-    """Grid (cdiv(F, BLOCK_N), cdiv(n_rows, BLOCK_M)): the expand of gate/up, the SiLU gate
-    and the shrink of down in one. The block's tile of gate_up [n, 2F] is loaded once; for
-    each slot 1 .. n_slots a row of the block is on, those rows' terms (t times the slot's
-    B^T tiles of gate and of up columns) go onto it; silu(gate) * up is written to out
-    [n, F] for every row (the base model's too); and for each slot again, its rows of that
-    tile times the slot's down A^T rows of the same columns, summed and added into t2
-    [n, r] once (float32; down's K split over the column tiles)."""
-    rows, slots = _block_rows(idx_ptr, n_rows, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    js = tl.arange(0, BLOCK_R)
-    cmask = cols < F
-    jmask = js < r
-    bmask = jmask[:, None] & cmask[None, :]
-    omask = (slots >= 0)[:, None] & cmask[None, :]
-    gu_rows = gu_ptr + rows[:, None].to(tl.int64) * gu_stride + cols[None, :]
-    g = tl.load(gu_rows, mask=omask, other=0.0).to(tl.float32)
-    u = tl.load(gu_rows + F, mask=omask, other=0.0).to(tl.float32)
-    t_rows = t_ptr + rows[:, None] * t_stride + js[None, :]
-    for slot in range(1, n_slots + 1):
-        mine = slots == slot
-        if tl.sum(mine.to(tl.int32), axis=0) > 0:
-            b_tile = b_ptr + slot * b_slot_stride + js[:, None] * (2 * F) + cols[None, :]
-            tmask = mine[:, None] & jmask[None, :]
-            g = _dot(tl.load(t_rows, mask=tmask, other=0.0),
-                     tl.load(b_tile, mask=bmask, other=0.0), g, IEEE)
-            u = _dot(tl.load(t_rows + r, mask=tmask, other=0.0),
-                     tl.load(b_tile + F, mask=bmask, other=0.0), u, IEEE)
-    y = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :], y, mask=omask)
-    on_adapter = slots > 0
-    if tl.sum(on_adapter.to(tl.int32), axis=0) > 0:
-        part = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-        for slot in range(1, n_slots + 1):
-            mine = slots == slot
-            if tl.sum(mine.to(tl.int32), axis=0) > 0:
-                a_down = tl.load(a_ptr + slot * a_slot_stride + cols[:, None] * r
-                                 + js[None, :], mask=cmask[:, None] & jmask[None, :],
-                                 other=0.0)  # [BLOCK_N, BLOCK_R]
-                part = _dot(tl.where(mine[:, None], y.to(tl.float32), 0.0), a_down, part,
-                            IEEE)
-        tl.atomic_add(t2_ptr + rows[:, None] * t2_stride + js[None, :], part,
-                      mask=on_adapter[:, None] & jmask[None, :])
+    """Grid (slots + 1, cdiv(F, BLOCK_N), cdiv(n_rows, BLOCK_M)): the expand of gate/up,
+    the SiLU gate and the shrink of down in one. If row block program_id(2) holds a row on
+    slot program_id(0) (0: the base model, which reads no adapter), those rows' terms (t
+    times the slot's B^T tiles of gate and of up columns) go onto gate_up [n, 2F] as it is
+    loaded, silu(gate) * up is written to out [n, F] (every row by its own slot's program),
+    and that tile of out times the slot's down A^T rows of the same columns is added into
+    t2 [n, r] (float32; down's K split over the column tiles)."""
+    slot = tl.program_id(0)
+    rows, mine = _slot_rows(idx_ptr, n_rows, slot, BLOCK_M)
+    if tl.sum(mine.to(tl.int32), axis=0) > 0:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        js = tl.arange(0, BLOCK_R)
+        cmask = cols < F
+        live = js < tl.where(slot != 0, r, 0)  # [BLOCK_R]
+        bmask = live[:, None] & cmask[None, :]
+        b_tile = (b_ptr + slot.to(tl.int64) * b_slot_stride + js[:, None] * (2 * F)
+                  + cols[None, :])
+        b_gate = tl.load(b_tile, mask=bmask, other=0.0)  # [BLOCK_R, BLOCK_N]
+        b_up = tl.load(b_tile + F, mask=bmask, other=0.0)
+        a_down = tl.load(a_ptr + slot.to(tl.int64) * a_slot_stride + cols[:, None] * r
+                         + js[None, :], mask=cmask[:, None] & live[None, :],
+                         other=0.0)  # [BLOCK_N, BLOCK_R]
+        tmask = mine[:, None] & live[None, :]
+        t_rows = t_ptr + rows[:, None] * t_stride + js[None, :]
+        t_gate = tl.load(t_rows, mask=tmask, other=0.0)  # [BLOCK_M, BLOCK_R]
+        t_up = tl.load(t_rows + r, mask=tmask, other=0.0)
+        omask = mine[:, None] & cmask[None, :]
+        gu_rows = gu_ptr + rows[:, None].to(tl.int64) * gu_stride + cols[None, :]
+        g = tl.load(gu_rows, mask=omask, other=0.0).to(tl.float32)
+        u = tl.load(gu_rows + F, mask=omask, other=0.0).to(tl.float32)
+        g = _dot(t_gate, b_gate, g, IEEE)
+        u = _dot(t_up, b_up, u, IEEE)
+        y = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :], y,
+                 mask=omask)
+        part = _dot(y.to(tl.float32), a_down, tl.zeros([BLOCK_M, BLOCK_R], tl.float32), IEEE)
+        tl.atomic_add(t2_ptr + rows[:, None] * t2_stride + js[None, :], part, mask=tmask)
 
 
 def _pow2(n: int) -> int:
@@ -257,9 +241,9 @@ def grouped_shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor,
     big_r = a.shape[2]
     block_r = _pow2(big_r)
     block_k = max(16, min(256, SHRINK_TILE // block_r))
-    grid = (triton.cdiv(n_in, block_k), triton.cdiv(n, GROUP_ROWS))
+    grid = (a.shape[0] - 1, triton.cdiv(n_in, block_k), triton.cdiv(n, GROUP_ROWS))
     grouped_shrink_kernel[grid](
-        x, x.stride(0), a, a.stride(0), idx, t, t.stride(0), n, n_in, a.shape[0] - 1, R=big_r,
+        x, x.stride(0), a, a.stride(0), idx, t, t.stride(0), n, n_in, R=big_r,
         BLOCK_M=GROUP_ROWS, BLOCK_K=block_k, BLOCK_R=block_r,
         IEEE=a.dtype == torch.float32, num_warps=4)
 
@@ -269,10 +253,10 @@ def grouped_expand(t: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, out: tor
     """`expand` with each slot's B^T read once for all its rows."""
     n, n_out = out.shape
     r = b.shape[1]
-    grid = (triton.cdiv(n_out, EXPAND_BLOCK_N), triton.cdiv(n, GROUP_ROWS))
+    grid = (b.shape[0] - 1, triton.cdiv(n_out, EXPAND_BLOCK_N), triton.cdiv(n, GROUP_ROWS))
     grouped_expand_kernel[grid](
-        t, t.stride(0), b, b.stride(0), idx, out, out.stride(0), n, n_out, b.shape[0] - 1,
-        bounds[0], bounds[1], r=r, NUM_MODULES=num_modules, BLOCK_M=GROUP_ROWS,
+        t, t.stride(0), b, b.stride(0), idx, out, out.stride(0), n, n_out, bounds[0],
+        bounds[1], r=r, NUM_MODULES=num_modules, BLOCK_M=GROUP_ROWS,
         BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=_pow2(r), IEEE=b.dtype == torch.float32,
         num_warps=4)
 
@@ -285,9 +269,9 @@ def expand_gate(t: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, gate_up: to
     n, f = out.shape
     r = b.shape[1]
     assert a_down.shape[2] == r
-    grid = (triton.cdiv(f, GATE_BLOCK_N), triton.cdiv(n, GROUP_ROWS))
+    grid = (b.shape[0], triton.cdiv(f, GATE_BLOCK_N), triton.cdiv(n, GROUP_ROWS))
     expand_gate_kernel[grid](
         gate_up, gate_up.stride(0), t, t.stride(0), b, b.stride(0), idx, out, out.stride(0),
-        a_down, a_down.stride(0), t_down, t_down.stride(0), n, f, b.shape[0] - 1, r=r,
-        BLOCK_M=GROUP_ROWS, BLOCK_N=GATE_BLOCK_N, BLOCK_R=_pow2(r), IEEE=b.dtype == torch.float32,
+        a_down, a_down.stride(0), t_down, t_down.stride(0), n, f, r=r, BLOCK_M=GROUP_ROWS,
+        BLOCK_N=GATE_BLOCK_N, BLOCK_R=_pow2(r), IEEE=b.dtype == torch.float32,
         num_warps=4)
