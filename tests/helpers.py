@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from llm_runner_svc.engines import create_engine
 from llm_runner_svc.models import Model
@@ -46,8 +47,17 @@ def solo(stories: Model, spec: dict) -> tuple[list[int], str, str]:
 
 def drain(rt: InferenceRuntime) -> dict[str, list[int]]:
     """Step `rt` until it is idle; return each request's generated token ids."""
+    return drain_with_metrics(rt)[0]
+
+
+def drain_with_metrics(rt: InferenceRuntime) -> tuple[dict[str, list[int]], dict[str, Any]]:
+    """Step `rt` until it is idle; each request's generated token ids and the last metrics
+    its events carried."""
     got: dict[str, list[int]] = {}
+    metrics: dict[str, Any] = {}
     while rt.has_work:
         for ev in rt.step():
             got.setdefault(ev.request_id, []).extend(ev.token_ids)
-    return got
+            if ev.metrics is not None:
+                metrics[ev.request_id] = ev.metrics
+    return got, metrics

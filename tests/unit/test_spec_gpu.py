@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import drain_with_metrics
 
 from llm_runner_svc.engines import create_engine
 from llm_runner_svc.engines.drafts import create_draft_engine
@@ -44,12 +45,7 @@ def _run(stories, spec, dtype, plain=()):
                 f"r{i}", stories.tokenizer.encode(p, add_bos=True),
                 resolve(rt.config.sampling, temperature=0.0, max_new_tokens=120 - 30 * i),
                 ignore_eos=True, disable_spec_decode=i in plain))
-        got, metrics = {}, {}
-        while rt.has_work:
-            for ev in rt.step():
-                got.setdefault(ev.request_id, []).extend(ev.token_ids)
-                if ev.metrics is not None:
-                    metrics[ev.request_id] = ev.metrics
+        got, metrics = drain_with_metrics(rt)
         assert rt.pages.num_free == rt.pages.num_pages
         if spec is not None and spec.method != "ngram":
             assert rt.proposer.pool.num_free == rt.proposer.pool.num_pages

@@ -6,7 +6,7 @@ distributed as plain sampling's."""
 from __future__ import annotations
 
 import pytest
-from helpers import make_runtime
+from helpers import drain_with_metrics, make_runtime
 
 from llm_runner_svc.engines import create_engine
 from llm_runner_svc.errors import InvalidArgument
@@ -268,12 +268,7 @@ def test_sampled_speculation_runs_in_a_mixed_batch(stories, engine):
                 rt.submit(GenerationRequest(f"r{i}", prompt, resolve(
                     rt.config.sampling, temperature=temp, top_k=20, top_p=0.9, seed=5 + i % 2,
                     max_new_tokens=60), ignore_eos=True, disable_spec_decode=i == 3))
-            got, metrics = {}, {}
-            while rt.has_work:
-                for ev in rt.step():
-                    got.setdefault(ev.request_id, []).extend(ev.token_ids)
-                    if ev.metrics is not None:
-                        metrics[ev.request_id] = ev.metrics
+            got, metrics = drain_with_metrics(rt)
             assert rt.pages.num_free == rt.pages.num_pages
             return got, metrics
         finally:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from helpers import drain_with_metrics
 
 from llm_runner_svc.engines import create_engine
 from llm_runner_svc.engines.batch import Batch
@@ -102,12 +103,7 @@ def _run(stories, engine: str, spec: SpecConfig | None, num: int,
             rt.submit(GenerationRequest(f"r{i}", ids, resolve(
                 rt.config.sampling, temperature=0.0, max_new_tokens=40), ignore_eos=True,
                 disable_spec_decode=spec is None))
-        got, metrics = {}, {}
-        while rt.has_work:
-            for ev in rt.step():
-                got.setdefault(ev.request_id, []).extend(ev.token_ids)
-                if ev.metrics is not None:
-                    metrics[ev.request_id] = ev.metrics
+        got, metrics = drain_with_metrics(rt)
         assert rt.pages.num_free == rt.pages.num_pages
         return got, metrics, batches
     finally:
