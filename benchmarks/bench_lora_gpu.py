@@ -82,15 +82,17 @@ def _matrix_ms(lora: TorchLora, m: str, x: torch.Tensor, norm: torch.Tensor | No
         h = x.to(torch.bfloat16)  # the cuBLAS products' bf16 inputs
 
         def shrink() -> None:
-            kernels.grouped_shrink(h, a, idx, t)
+            kernels.grouped_shrink(h, a, rows, t)
+
+    rows = kernels.slot_rows(idx, torch.arange(a.shape[0] + 1, dtype=torch.int32, device=dev))
 
     def expand() -> None:
         if m == "gate_up":
-            kernels.expand_gate(t, bt, idx, dest, act, lora.a["down"][0], t_down)
+            kernels.expand_gate(t, bt, rows, dest, act, lora.a["down"][0], t_down)
         elif b <= PER_ROW_ROWS:
             kernels.expand(t, bt, idx, dest, starts)
         else:
-            kernels.grouped_expand(t, bt, idx, dest, starts, len(lora.bounds[m]) - 1)
+            kernels.grouped_expand(t, bt, rows, dest, starts, len(lora.bounds[m]) - 1)
 
     return {f"{m} shrink": gpu_paths.event_ms(shrink, reps=reps, warmup=3),
             f"{m} expand": gpu_paths.event_ms(expand, reps=reps, warmup=3)}

@@ -162,7 +162,7 @@ class Forward:
             if lora_slots is None or not adapters.fuses_rows(n):
                 fused = _unfused
             if lora_slots is not None:
-                adapters.begin_rows(n)
+                adapters.begin_rows(lora_slots)
                 beside = adapters.overlaps(n)
 
         def shrink_beside(li: int, matrix: str, inp: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ the product adds each row's t @ B^T inside its epilogue (`LoraTerm`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from llm_runner_svc.engines.numpy_lora import FUSED, group_rows
 from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.models.lora import LoraAdapter, module_shape
 from llm_runner_svc.models.spec import ModelConfig
+
+if TYPE_CHECKING:
+    from llm_runner_svc.engines.torch_lora_triton import SlotRows
 
 TorchGroups = Sequence[tuple[int, slice | torch.Tensor]]  # (adapter slot, its rows)
 KERNELS = ("grouped", "gather", "triton")
@@ -100,6 +103,8 @@ class TorchLora:
         self._side = torch.cuda.Stream(device) if (
             device.type == "cuda" and kernel == "triton") else None
         self._beside = False  # a shrink on the side stream not joined yet
+        self._slot_ids = torch.arange(num_slots + 2, dtype=torch.int32, device=device)
+        self._rows: SlotRows | None = None  # this forward's rows by slot (`begin_rows`)
         self.nbytes = sum(t.nbytes for t in (*self.a.values(), *self.b.values()))
         for k, adapter in enumerate(adapters, 1):
             if adapter is not None:
@@ -169,10 +174,22 @@ class TorchLora:
                     out[:, c0:c1].index_add_(0, rows, delta)
 
     # ---- per-row products (graph-safe) ---------------------------------------------------
-    def begin_rows(self, n: int) -> None:
-        """Zero the per-row scratch of a forward of n rows (one launch for every layer)."""
+    def begin_rows(self, idx: torch.Tensor) -> None:
+        """Start a forward whose rows are on adapter slots idx [n] int32 (device): zero the
+        per-row scratch (one launch for every layer) and, for the Triton kernels, sort the
+        rows by slot."""
         assert self.t is not None, "reserve() first"
+        n = idx.shape[0]
         self.t[:, :n].zero_()
+        self._rows = None
+        if self.kernel == "triton":  # `gate_rows` groups rows at any batch size
+            from llm_runner_svc.engines.torch_lora_triton import slot_rows
+
+            self._rows = slot_rows(idx, self._slot_ids)
+
+    def _grouped(self) -> SlotRows:
+        assert self._rows is not None, "begin_rows() first"
+        return self._rows
 
     def fuses_rows(self, n: int) -> bool:
         """Whether a decode step of n rows may keep its fused products (the LoRA terms
@@ -218,7 +235,7 @@ class TorchLora:
         assert self._side is not None
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side):
-            kernels.grouped_shrink(x, self.a[matrix][layer], idx,
+            kernels.grouped_shrink(x, self.a[matrix][layer], self._grouped(),
                                    self._scratch(layer, matrix, x.shape[0]))
         self._beside = True
 
@@ -249,8 +266,8 @@ class TorchLora:
         elif n <= PER_ROW_ROWS:
             self.shrink_rows(layer, "gate_up", x, idx)
         else:
-            kernels.grouped_shrink(x, self.a["gate_up"][layer], idx, t)
-        kernels.expand_gate(t, self.b["gate_up"][layer], idx, gate_up, out,
+            kernels.grouped_shrink(x, self.a["gate_up"][layer], self._grouped(), t)
+        kernels.expand_gate(t, self.b["gate_up"][layer], self._grouped(), gate_up, out,
                             self.a["down"][layer], self._scratch(layer, "down", n))
 
     def add_rows(self, layer: int, matrix: str, x: torch.Tensor, out: torch.Tensor,
@@ -273,8 +290,9 @@ class TorchLora:
                 if is_shrunk:
                     self._join()
                 else:
-                    kernels.grouped_shrink(x, a, idx, t)
-                kernels.grouped_expand(t, b, idx, out, self.starts(matrix), len(bounds) - 1)
+                    kernels.grouped_shrink(x, a, self._grouped(), t)
+                kernels.grouped_expand(t, b, self._grouped(), out, self.starts(matrix),
+                                       len(bounds) - 1)
             return
         assert not is_shrunk, "a shrunk scratch comes from the Triton kernels"
         rows = idx.long()

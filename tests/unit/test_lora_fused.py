@@ -80,7 +80,7 @@ def test_fused_products_add_each_rows_term(stories, adapters, matrix, n, request
     x = 3.0 * torch.randn(n, n_in, generator=gen)  # an input whose RMS is far from 1
     g = 0.5 + torch.rand(n_in, generator=gen)  # norm weight
     products = FusedProducts(eps)
-    lora.begin_rows(n)
+    lora.begin_rows(idx)
     if matrix in ("o", "down"):  # x += a @ W.T + term(a)
         res = torch.randn(n, n_out, generator=gen)
         got, want = res.clone(), res + x @ w.t()
@@ -204,7 +204,7 @@ def test_gate_rows_add_the_terms_before_the_silu_gate_and_shrink_for_down(storie
     got = torch.empty(n, f)
     idx = torch.tensor(slots, dtype=torch.int32)
     groups = grouped.groups(slots, [1] * n)
-    lora.begin_rows(n)
+    lora.begin_rows(idx)
     lora.gate_rows(2, x, gate_up, got, idx)
     want = gate_up.clone()
     grouped.add(2, "gate_up", x, want, groups)
@@ -218,3 +218,32 @@ def test_gate_rows_add_the_terms_before_the_silu_gate_and_shrink_for_down(storie
     grouped.add(2, "down", got, want_down, groups)
     assert _close(down, want_down)
     assert not _close(down[on_adapter], res[on_adapter])
+
+
+@pytest.mark.parametrize("hidden_layer", [2, -1])
+def test_grouped_step_captures_hidden_states_with_every_term_added(stories, adapters, request,
+                                                                   hidden_layer):
+    """The hidden states a grouped decode step stages between two layers (or after the
+    final norm) hold every LoRA term of the layers before."""
+    if rerun_interpreted(request):
+        return
+    cfg = stories.config
+    plan = EnginePlan(max_batch=6, max_seq=8, page_size=4, num_pages=12, prefill_chunk=8,
+                      hidden_layer=hidden_layer)
+    state = allocate_state(cfg, plan, CPU, torch.float32, has_wide_scratch=False,
+                           fused_rows=0)
+    forward = Forward(cfg, load_weights(stories.weights, cfg, CPU, torch.float32),
+                      TorchOps(cfg, plan.page_size), state, hidden_layer, plan.page_size, True,
+                      lora=_lora(cfg, adapters, "triton"))
+    slots = [1, 0, 3, 3, 2, 1]
+    n = len(slots)
+    ids = torch.tensor([7 + 5 * i for i in range(n)], dtype=torch.int32)
+    positions = torch.zeros(n, dtype=torch.int32)
+    tables = (torch.arange(n)[:, None] * 2 + torch.arange(2)[None, :]).int()
+    assert forward.lora is not None
+    forward.decode(n, ids, positions, tables, True, forward.lora.groups(slots, [1] * n))
+    want = state.cap_state[:n].clone(), state.logits[:n].clone()
+    forward.decode(n, ids, positions, tables, True,
+                   lora_slots=torch.tensor(slots, dtype=torch.int32))
+    assert _close(state.cap_state[:n], want[0])
+    assert _close(state.logits[:n], want[1])

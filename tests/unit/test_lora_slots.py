@@ -29,9 +29,11 @@ def two_adapters(stories, tmp_path_factory):
 
 
 # rows of a few-row decode step (each gathers its adapter), of a batch the kernels group by
-# adapter, and of one that takes several blocks of rows per adapter
+# adapter, of one that takes several blocks of rows per adapter, and of one whose adapter
+# slots the grouped kernels read in several stretches (SCAN_ROWS) to find each slot's rows
 ROW_SLOTS = {"few": [3, 0, 1], "batch": [0, 1, 3, 1, 0, 3, 3],
-             "blocks": [(i * 7) % 5 % 4 for i in range(37)]}
+             "blocks": [(i * 7) % 5 % 4 for i in range(37)],
+             "scans": [(i * 5) % 7 % 4 for i in range(150)]}
 
 
 @pytest.mark.parametrize("rows", list(ROW_SLOTS))
@@ -53,7 +55,7 @@ def test_per_row_products_match_the_grouped_ones(stories, two_adapters, kernel, 
     on_adapter = slots.index(1)
     idx = torch.tensor(slots, dtype=torch.int32)
     gen = torch.Generator().manual_seed(0)
-    lora.begin_rows(len(slots))
+    lora.begin_rows(idx)
     for layer in range(cfg.num_layers):
         for matrix in ("qkv", "o", "gate_up", "down"):
             n_in = lora.a[matrix].shape[2]
