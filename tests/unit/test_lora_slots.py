@@ -29,11 +29,10 @@ def two_adapters(stories, tmp_path_factory):
 
 
 # rows of a few-row decode step (each gathers its adapter), of a batch the kernels group by
-# adapter, of one that takes several blocks of rows per adapter, and of one whose adapter
-# slots the grouped kernels read in several stretches (SCAN_ROWS) to find each slot's rows
+# adapter, and of ones whose adapters interleave over several blocks of 16 rows each
 ROW_SLOTS = {"few": [3, 0, 1], "batch": [0, 1, 3, 1, 0, 3, 3],
              "blocks": [(i * 7) % 5 % 4 for i in range(37)],
-             "scans": [(i * 5) % 7 % 4 for i in range(150)]}
+             "many blocks": [(i * 5) % 7 % 4 for i in range(150)]}
 
 
 @pytest.mark.parametrize("rows", list(ROW_SLOTS))
