@@ -79,12 +79,14 @@ class PagePool:
             del self._idle[page]
             self._free.append(page)
 
-    def revive(self, page: int) -> None:
-        """Another holder for a kept page, held or idle."""
-        if page not in self._kept:
-            raise Internal(f"page {page} is revived but not kept")
-        self._idle.pop(page, None)
-        self._refs[page] += 1
+    def revive(self, pages: Sequence[int]) -> None:
+        """Another holder for each of `pages`, kept pages held or idle."""
+        kept, idle, refs = self._kept, self._idle, self._refs
+        for page in pages:
+            if page not in kept:
+                raise Internal(f"page {page} is revived but not kept")
+            idle.pop(page, None)
+            refs[page] += 1
 
     def share(self, pages: Sequence[int]) -> list[int]:
         """Another holder for `pages` (each must be held); returns them as a new list."""

@@ -73,9 +73,7 @@ def packed(tokens: Sequence[int]) -> bytes:
 def page_name(parent: bytes, ids: bytes) -> bytes:
     """The chained name of a page holding the `packed` ids `ids`, after the page named
     `parent`. A lookup packs its prompt once and names its pages from slices of it."""
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(ids)
-    return h.digest()
+    return hashlib.blake2b(parent + ids, digest_size=16).digest()
 
 
 class PrefixCache:
@@ -127,18 +125,21 @@ class PrefixCache:
         name = self.adapter_root(adapter)
         full = (len(tokens) - 1) // ps
         ids, width = packed(tokens[:full * ps]), 4 * ps
+        records, name_of = self._names, page_name  # (a 2,000-token prompt names 125 pages)
         for i in range(full):
             chunk = ids[i * width:(i + 1) * width]
-            marks = media_marks(media, i * ps, (i + 1) * ps) if media else b""
-            name = page_name(name + marks, chunk)
-            rec = self._names.get(name)
+            if media:
+                name += media_marks(media, i * ps, (i + 1) * ps)
+            name = name_of(name, chunk)
+            rec = records.get(name)
             if rec is None or rec.tokens != chunk or rec.launch > launches or \
                     (hidden and rec.hidden is None):
                 break
-            self._names.move_to_end(name)
-            self.pool.revive(rec.page)
             pages.append(rec.page)
             names.append(name)
+        for name in names:
+            records.move_to_end(name)
+        self.pool.revive(pages)
         return pages, names
 
     def pieces(self, names: Sequence[bytes]) -> list[HiddenStates]:
