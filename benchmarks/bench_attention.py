@@ -7,7 +7,8 @@ choices (queries per block, keys per tile, warps, stages), fastest first.
 
 With `--after P`, the prompts are short passes after P cached positions (a reused system
 prompt): only the Triton kernel, with its keys split over 1, 8, 16 or 32 programs per block
-(`prefill_splits`), merged by their last program or by a second launch (counted in).
+(`prefill_splits`), merged by their last program or by a second launch (counted in), each
+timed inside a CUDA graph (the device's time, as the engine runs it) and eagerly.
 
 Usage: python benchmarks/bench_attention.py [--shapes qwen2.5-1.5b,qwen2.5-7b]
        [--prompts 512,2048,8192] [--page-size 16] [--no-sweep] [--after 2000]
@@ -149,17 +150,21 @@ def after_prefix(shape: str, n: int, prefix: int, page: int) -> None:
                 got = out.float().clone()
                 ref = got if ref is None else ref
                 rel = float((got - ref).norm() / ref.norm())
-                ms = gpu_paths.event_ms(run, reps=20, rounds=3, warmup=2)
-                timings.append((ms, block_m, tiles, splits, merge, rel))
+                us = gpu_paths.graph_us(run, reps=28)
+                eager = gpu_paths.event_ms(run, reps=20, rounds=3, warmup=2) * 1000
+                timings.append((us, eager, block_m, tiles, splits, merge, rel))
     timings.sort()
     own = prefill_splits(n, prefill_block(n), c.num_heads, sms)
     print(f"# {shape}: {n} queries after {prefix} positions; the engine takes block "
-          f"{prefill_block(n)}, {own} splits, merged by their last program")
-    print("| queries per block | tiles (keys, warps, stages) | splits | merged by | us per layer "
-          "| all layers ms | rel to the first |\n|---:|---|---:|---|---:|---:|---:|")
-    for ms, block_m, tiles, splits, merge, rel in timings:
-        print(f"| {block_m} | {tiles} | {splits} | {merge} | {ms * 1000:.1f} | "
-              f"{ms * c.num_layers:.2f} | {rel:.1e} |")
+          f"{prefill_block(n)}, {own} splits, merged by their last program. In a graph: "
+          f"{c.num_layers} launches captured as one CUDA graph, as the engine runs them; "
+          "eagerly: launched one by one from Python")
+    print("| queries per block | tiles (keys, warps, stages) | splits | merged by "
+          "| us per layer in a graph | all layers ms | us per layer eagerly | rel to the first "
+          "|\n|---:|---|---:|---|---:|---:|---:|---:|")
+    for us, eager, block_m, tiles, splits, merge, rel in timings:
+        print(f"| {block_m} | {tiles} | {splits} | {merge} | {us:.1f} | "
+              f"{us * c.num_layers / 1000:.2f} | {eager:.1f} | {rel:.1e} |")
 
 
 def main() -> None:

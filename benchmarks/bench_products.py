@@ -43,17 +43,6 @@ CANDIDATES = [(4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8
               (2, 2048, 4)]  # (BN, BK, warps)
 
 
-def in_graph_us(fn, reps: int = 50) -> float:
-    """Microseconds per call of `fn`, `reps` calls captured as one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return 1000 * gpu_paths.event_ms(graph.replay, reps=1, rounds=5, warmup=1) / reps
-
-
 def matrices(name: str) -> list[tuple[str, int, int, int, bool]]:
     """(label, n, k, mode, normed) of one layer's products and the head."""
     c = named_shape(name)
@@ -83,17 +72,17 @@ def bench_matrix(n: int, k: int, mode: int, normed: bool, m: int) -> dict:
             a, a.stride(0), w, w, norm, out, out.stride(0), m, n, k, 1e-6, HAS_NORM=normed,
             HAS_BIAS=False, MODE=mode, BM=bm, BN=bn, BK=bk, num_warps=warps)
 
-    row["cublas_us"] = in_graph_us(lambda: torch.mm(a16, w.t(), out_dtype=torch.float32,
+    row["cublas_us"] = gpu_paths.graph_us(lambda: torch.mm(a16, w.t(), out_dtype=torch.float32,
                                                     out=wide))
     chosen = gemv_tiles(m, n, k, mode)[1:]
     row["chosen"] = list(chosen)
-    row["chosen_us"] = in_graph_us(fused(chosen))
+    row["chosen_us"] = gpu_paths.graph_us(fused(chosen))
     best = (row["chosen_us"], chosen)
     for cfg in CANDIDATES if m == 1 else []:
         if bm * cfg[0] * cfg[1] > 8192 * cfg[2] // 4:
             continue
         try:
-            us = in_graph_us(fused(cfg))
+            us = gpu_paths.graph_us(fused(cfg))
         except Exception as exc:  # a candidate that does not compile or fit
             print(f"#   {cfg}: {type(exc).__name__}", flush=True)
             continue
