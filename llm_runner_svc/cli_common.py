@@ -22,12 +22,12 @@ from typing import Any
 
 import llm_runner_svc
 from llm_runner_svc.errors import RunnerError, Unavailable
+from services.launched import is_launched
 
 EXIT_FAILED = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: stdout's reader left (`| head`), as coreutils report
 # Set by `llm-runner up` (services/orchestrator/launcher.py) in the stage processes it starts.
-LAUNCHED_ENV = "LLM_RUNNER_LAUNCHED"
 
 # The modules each engine needs beyond this package (`--version` lists the importable ones).
 _ENGINE_NEEDS: dict[str, tuple[str, ...]] = {
@@ -101,7 +101,7 @@ def run_command(prog: str, command: Callable[[], int]) -> int:
         print(f"{prog}: {exc.code}: {exc.message}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
-        if os.environ.get(LAUNCHED_ENV):  # a stage child of `up`: the parent says it once
+        if is_launched():  # a stage child of `up`: the parent says it once
             return EXIT_INTERRUPTED
         # On a terminal the line starts after the echoed ^C and any partial text or bar.
         lead = "\n" if sys.stderr.isatty() else ""

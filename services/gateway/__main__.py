@@ -12,11 +12,13 @@ import os
 import sys
 
 from services.gateway.config import GatewayConfig
+from services.launched import is_launched, leave_interrupts_to_parent
 
 _DEFAULTS = GatewayConfig()
 
 
 def main(argv: list[str] | None = None) -> int:
+    leave_interrupts_to_parent()
     parser = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
     parser.add_argument("--orchestrator", default=_DEFAULTS.orchestrator,
                         help=f"the orchestrator's host:port (default {_DEFAULTS.orchestrator})")
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        if not os.environ.get("LLM_RUNNER_LAUNCHED"):  # a child of `up`: the parent says it
+        if not is_launched():  # a child of `up`: the parent says it
             print("gateway: interrupted", file=sys.stderr)
         return 130
     return 0

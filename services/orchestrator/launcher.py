@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from services.errors import FailedPrecondition, Unavailable
+from services.launched import LAUNCHED_ENV
 from services.orchestrator.service import serve
 from services.orchestrator.topology import Topology, load_topology, single_stage, with_endpoints
 from services.server import ServerOptions
@@ -25,9 +26,9 @@ from services.server import ServerOptions
 log = logging.getLogger(__name__)
 
 _LISTENING = re.compile(r"listening on (?:http://)?[\w.\-]+:(\d+)")
-# A terminal's Ctrl-C reaches the children too; LLM_RUNNER_LAUNCHED tells a child `llm-runner`
-# to leave the one "interrupted" line to this process.
-CHILD_ENV = {"PYTHONUNBUFFERED": "1", "LLM_RUNNER_LAUNCHED": "1"}
+# A terminal's Ctrl-C reaches the children too; LAUNCHED_ENV tells a child to leave it to this
+# process (services/launched.py), which stops them and says "interrupted" once.
+CHILD_ENV = {"PYTHONUNBUFFERED": "1", LAUNCHED_ENV: "1"}
 
 
 class ChildProcess:
@@ -40,7 +41,11 @@ class ChildProcess:
         except OSError as exc:  # no such file, or not executable
             raise FailedPrecondition(_not_runnable(cmd[0], exc)) from exc
         assert self.proc.stdout is not None
-        self.line = self.proc.stdout.readline()
+        try:
+            self.line = self.proc.stdout.readline()
+        except BaseException:  # Ctrl-C while it starts: it leaves SIGINT to us
+            self.stop()
+            raise
         m = _LISTENING.search(self.line)
         if m is None:
             self.stop()
