@@ -73,7 +73,7 @@ def bench_matrix(n: int, k: int, mode: int, normed: bool, m: int) -> dict:
             HAS_BIAS=False, MODE=mode, BM=bm, BN=bn, BK=bk, num_warps=warps)
 
     row["cublas_us"] = gpu_paths.graph_us(lambda: torch.mm(a16, w.t(), out_dtype=torch.float32,
-                                                    out=wide))
+                                                          out=wide))
     chosen = gemv_tiles(m, n, k, mode)[1:]
     row["chosen"] = list(chosen)
     row["chosen_us"] = gpu_paths.graph_us(fused(chosen))

@@ -27,7 +27,6 @@ from services.launched import is_launched
 EXIT_FAILED = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: stdout's reader left (`| head`), as coreutils report
-# Set by `llm-runner up` (services/orchestrator/launcher.py) in the stage processes it starts.
 
 # The modules each engine needs beyond this package (`--version` lists the importable ones).
 _ENGINE_NEEDS: dict[str, tuple[str, ...]] = {

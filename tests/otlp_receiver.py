@@ -79,5 +79,21 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                 return spans
             time.sleep(0.05)
 
+    def request_trace(self, root_name: str, request_id: str, names: frozenset[str],
+                      timeout: float = 15.0) -> tuple[SpanRecord | None, list[SpanRecord]]:
+        """The span `root_name` that carries `request_id` and every span of its trace, once
+        spans of each of `names` are in that trace (each process exports on its own
+        schedule); (None, []) when no such root came within `timeout`."""
+        def root(spans: list[SpanRecord]) -> SpanRecord | None:
+            return next((s for s in spans if s.name == root_name
+                         and s.attributes.get("llmstage.request_id") == request_id), None)
+
+        def done(spans: list[SpanRecord]) -> bool:
+            r = root(spans)
+            return r is not None and names <= {s.name for s in spans if s.trace_id == r.trace_id}
+
+        found = root(self.wait_for(done, timeout))
+        return found, [] if found is None else self.trace(found.trace_id)
+
     def stop(self) -> None:
         self.server.stop(0)

@@ -63,25 +63,17 @@ def test_a_client_leaving_mid_stream_leaves_every_stage_idle(traced) -> None:
         (("code", "499"), ("method", "POST"), ("route", "/v1/completions")))] == 2)
 
 
-# Spans every traced request has; each process exports its own on its own schedule.
-EXPECTED = (ROOT_SPAN, GENERATE, "stage.admit", "stage.prepare", "stage.prefill",
-            "stage.decode", "stage.finish")
+# Spans every traced request has, from the gateway, the orchestrator and the runner.
+EXPECTED = frozenset({GENERATE, "stage.admit", "stage.prepare", "stage.prefill",
+                      "stage.decode", "stage.finish"})
 
 
 def _trace_of(receiver: OtlpReceiver, request_id: str) -> list[SpanRecord]:
-    """Every span of the trace whose gateway span carries `request_id`, once the spans of
-    every process (gateway, orchestrator, runner) in EXPECTED are in."""
-    def root(spans: list[SpanRecord]) -> SpanRecord | None:
-        return next((s for s in spans if s.name == ROOT_SPAN
-                     and s.attributes.get("llmstage.request_id") == request_id), None)
-
-    def done(spans: list[SpanRecord]) -> bool:
-        r = root(spans)
-        return r is not None and set(EXPECTED) <= {s.name for s in spans
-                                                   if s.trace_id == r.trace_id}
-    found = root(receiver.wait_for(done, LONG))
+    """Every span of the trace whose gateway span carries `request_id`, once EXPECTED are
+    in."""
+    found, spans = receiver.request_trace(ROOT_SPAN, request_id, EXPECTED, LONG)
     assert found is not None, request_id
-    return receiver.trace(found.trace_id)
+    return spans
 
 
 def _one(spans: list[SpanRecord], name: str) -> SpanRecord:

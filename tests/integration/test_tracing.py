@@ -34,16 +34,10 @@ STAGE_SPANS = frozenset({"stage.admit", "stage.prepare", "stage.prefill", "stage
 def request_trace(receiver: OtlpReceiver, request_id: str,
                   names: frozenset[str] = STAGE_SPANS) -> list[SpanRecord]:
     """Every span of the trace whose root carries `request_id`, once the spans `names` are
-    in it too (each process exports on its own schedule)."""
-    def done(spans: list[SpanRecord]) -> bool:
-        roots = [s for s in spans if s.name == GENERATE
-                 and s.attributes.get("llmstage.request_id") == request_id]
-        return bool(roots) and names <= {s.name for s in spans
-                                         if s.trace_id == roots[0].trace_id}
-    spans = receiver.wait_for(done)
-    root = next(s for s in spans if s.name == GENERATE
-                and s.attributes.get("llmstage.request_id") == request_id)
-    return receiver.trace(root.trace_id)
+    in it too."""
+    root, spans = receiver.request_trace(GENERATE, request_id, names)
+    assert root is not None, request_id
+    return spans
 
 
 def by_name(spans: list[SpanRecord], name: str) -> SpanRecord:

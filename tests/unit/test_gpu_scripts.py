@@ -23,7 +23,7 @@ def test_runner_parses(script: Path) -> None:
 
 
 def _wheel(where: Path, name: str) -> None:
-    """A wheel of a one-module package `name` (version 1.0) that prints its own name."""
+    """A wheel of a one-module package `name` (version 1.0) whose NAME is its name."""
     dist = f"{name}-1.0.dist-info"
     with zipfile.ZipFile(where / f"{name}-1.0-py3-none-any.whl", "w") as z:
         z.writestr(f"{name}.py", f"NAME = {name!r}\n")
