@@ -1,15 +1,19 @@
-"""The prefix cache's index: the hash-chain map it uses against a compact radix tree.
+"""The prefix cache's index: the keyed hash chain it uses against the plain hash chain
+it used before and a compact radix tree.
 
 Both index full pages of token ids and answer the same two questions per request: which
 leading pages of a prompt are cached (`match`), and, once computed, the request's new full
 pages (`insert`, continuing from where its match stopped). Pool bookkeeping (reference
 counts, LRU eviction) is the same for either and left out.
 
-- hash chain: what `runtime/prefix_cache.py` does: a dict from a page's chained name
-  (blake2b-128 of the parent's name and the page's token ids, `page_name`) to its record;
-  a lookup names every full page of the prompt, then looks each name up.
+- keyed chain: what `runtime/prefix_cache.py` does: a dict from a page's key, (its
+  parent's chained name, its packed token ids), to its record, which keeps the page's own
+  name (blake2b-128 of the key, `page_name`, computed once on insert); a lookup hashes only
+  dict keys, taking each hit's name as the next parent.
+- hash chain: what the cache did before: a dict from a page's chained name to its record;
+  a lookup names every full page of the prompt with `page_name`, then looks each name up.
 - hash chain, ids one by one: the same with the ids turned into bytes by one
-  `int.to_bytes` each, as `page_name` did before (the same names).
+  `int.to_bytes` each, as `page_name` did before that (the same names).
 - radix: a tree whose edges are runs of whole pages (token-id tuples), children keyed by
   their edge's first page, split where prompts diverge; a lookup compares tuples, no hashing.
 
@@ -81,6 +85,38 @@ class HashChain:
             parent = self.name(parent, chunk)
             if parent not in self.names:
                 self.names[parent] = (self.next_page, chunk)
+                self.next_page += 1
+
+
+class KeyedChain:
+    """(parent name, packed ids) -> (page, name), as the prefix cache keeps them."""
+
+    def __init__(self) -> None:
+        self.root = hashlib.blake2b(b"model", digest_size=16).digest()
+        self.keys: dict[tuple[bytes, bytes], tuple[int, bytes]] = {}
+        self.next_page = 0
+
+    def match(self, tokens: Sequence[int]) -> tuple[int, list[tuple[bytes, bytes]]]:
+        full = (len(tokens) - 1) // PS
+        ids, width = packed(tokens[:full * PS]), 4 * PS
+        keys: list[tuple[bytes, bytes]] = []
+        parent = self.root
+        for i in range(full):
+            key = (parent, ids[i * width:(i + 1) * width])
+            rec = self.keys.get(key)
+            if rec is None:
+                break
+            keys.append(key)
+            parent = rec[1]
+        return len(keys), keys
+
+    def insert(self, tokens: Sequence[int], where: list[tuple[bytes, bytes]]) -> None:
+        parent = self.keys[where[-1]][1] if where else self.root
+        for i in range(len(where), len(tokens) // PS):
+            key = (parent, packed(tokens[i * PS:(i + 1) * PS]))
+            parent = page_name(*key)
+            if key not in self.keys:
+                self.keys[key] = (self.next_page, parent)
                 self.next_page += 1
 
 
@@ -204,12 +240,13 @@ def main() -> None:
     loads = {"system prompt": system_prompt(rng, args.users),
              "multi-turn": multi_turn(rng, args.conversations)}
     kinds: dict[str, Callable[[], Index]] = {
+        "keyed chain (the cache)": KeyedChain,
         "hash chain (page_name)": HashChain,
         "hash chain, ids one by one": lambda: HashChain(one_by_one_name),
         "radix": Radix,
     }
     print("| workload | requests | pages looked up | index | us per request "
-          "(match + insert) | vs hash chain | KiB of index | bytes per cached page |")
+          "(match + insert) | vs keyed chain | KiB of index | bytes per cached page |")
     print("|---|---:|---:|---|---:|---:|---:|---:|")
     for load, prompts in loads.items():
         looked = sum((len(p) - 1) // PS for p in prompts)

@@ -4,10 +4,14 @@ A full page (page_size positions) is named by a hash chain: the digest of the pr
 page's name and this page's token ids, seeded by a key for everything else that changes the
 KV (the model, the page size) and by the request's LoRA adapter: requests on different
 adapters compute different KV for the same tokens, so they never share a page. Equal names
-mean equal token prefixes, so equal KV; the token ids are stored beside the name and
-compared on a hit, so a hash collision can only miss. A page holding positions whose
-embeddings came from an image (a request's `EmbedSpan`s) is named by that image's key and
-the positions it covers too: the placeholder tokens are the same for every image.
+mean equal token prefixes, so equal KV. A page holding positions whose embeddings came from
+an image (a request's `EmbedSpan`s) is named by that image's key and the positions it
+covers too: the placeholder tokens are the same for every image.
+
+A page's record is filed under its key, (its parent's name, its packed token ids), and
+keeps its own name, which `commit` computes once. So `match` hashes nothing but dict keys:
+it looks up (root, first page's ids), takes the record's name as the next parent, and so
+on; the token ids are part of the key, so a hit is exact whatever the digests do.
 
 `match` finds a request's longest cached prefix of full pages and makes it a holder of
 them; `commit` names the full pages a request has computed. A named page stays in the pool
@@ -37,11 +41,13 @@ from dataclasses import dataclass
 from llm_runner_svc.engines.batch import EmbedSpan, HiddenStates
 from llm_runner_svc.runtime.kv import PagePool
 
+Key = tuple[bytes, bytes]  # (the parent's name and the page's media marks, packed ids)
+
 
 @dataclass
 class _Record:
     page: int
-    tokens: bytes  # the page's token ids, packed (`packed`)
+    name: bytes  # `page_name` of the key: its children's parent
     launch: int  # the launch whose forward writes the page
     hidden: list[HiddenStates] | None = None  # the page's captured states, in order
 
@@ -72,7 +78,7 @@ def packed(tokens: Sequence[int]) -> bytes:
 
 def page_name(parent: bytes, ids: bytes) -> bytes:
     """The chained name of a page holding the `packed` ids `ids`, after the page named
-    `parent`. A lookup packs its prompt once and names its pages from slices of it."""
+    `parent` (and its media marks)."""
     return hashlib.blake2b(parent + ids, digest_size=16).digest()
 
 
@@ -83,10 +89,10 @@ class PrefixCache:
         self.root = hashlib.blake2b(key.encode(), digest_size=16).digest()
         self.max_records = max_records
         self.max_snapshots = max_snapshots
-        self._snapshots: OrderedDict[bytes, None] = OrderedDict()  # names keeping states
+        self._snapshots: OrderedDict[Key, None] = OrderedDict()  # records keeping states
         self.stats = CacheStats()
-        self._names: OrderedDict[bytes, _Record] = OrderedDict()  # least recently used first
-        self._by_page: dict[int, bytes] = {}
+        self._names: OrderedDict[Key, _Record] = OrderedDict()  # least recently used first
+        self._by_page: dict[int, Key] = {}
         self._adapter_loads: dict[int, int] = {}  # adapter slot -> adapters it has held
         pool.on_evict = self._evicted
 
@@ -114,52 +120,51 @@ class PrefixCache:
                          packed((adapter, self._adapter_loads.get(adapter, 0))))
 
     def match(self, tokens: Sequence[int], launches: int, hidden: bool = False,
-              adapter: int = 0, media: Sequence[EmbedSpan] = ()) -> tuple[list[int], list[bytes]]:
+              adapter: int = 0, media: Sequence[EmbedSpan] = ()) -> tuple[list[int], list[Key]]:
         """The pages of the longest cached prefix of `tokens`, each with a new holder, and
-        their names. At least one token is left out (its logits give the first pick), so a
-        prompt of whole pages reuses all but its last page. Only names written by launches
+        their keys. At least one token is left out (its logits give the first pick), so a
+        prompt of whole pages reuses all but its last page. Only pages written by launches
         up to `launches` count; with `hidden`, only pages that keep their states."""
         ps = self.pool.page_size
         pages: list[int] = []
-        names: list[bytes] = []
-        name = self.adapter_root(adapter)
+        keys: list[Key] = []
+        parent = self.adapter_root(adapter)
         full = (len(tokens) - 1) // ps
         ids, width = packed(tokens[:full * ps]), 4 * ps
-        records, name_of = self._names, page_name  # (a 2,000-token prompt names 125 pages)
+        records = self._names  # (a 2,000-token prompt looks up 125 pages)
         for i in range(full):
-            chunk = ids[i * width:(i + 1) * width]
             if media:
-                name += media_marks(media, i * ps, (i + 1) * ps)
-            name = name_of(name, chunk)
-            rec = records.get(name)
-            if rec is None or rec.tokens != chunk or rec.launch > launches or \
-                    (hidden and rec.hidden is None):
+                parent += media_marks(media, i * ps, (i + 1) * ps)
+            key = (parent, ids[i * width:(i + 1) * width])
+            rec = records.get(key)
+            if rec is None or rec.launch > launches or (hidden and rec.hidden is None):
                 break
             pages.append(rec.page)
-            names.append(name)
-        for name in names:
-            records.move_to_end(name)
+            keys.append(key)
+            parent = rec.name
+        for key in keys:
+            records.move_to_end(key)
         self.pool.revive(pages)
-        return pages, names
+        return pages, keys
 
-    def pieces(self, names: Sequence[bytes]) -> list[HiddenStates]:
-        """The kept states of the pages `names` (each must keep them), in position order."""
+    def pieces(self, keys: Sequence[Key]) -> list[HiddenStates]:
+        """The kept states of the pages `keys` (each must keep them), in position order."""
         out: list[HiddenStates] = []
-        for name in names:
-            hidden = self._names[name].hidden
+        for key in keys:
+            hidden = self._names[key].hidden
             assert hidden is not None
             out += hidden
         return out
 
-    def attach(self, name: bytes, pieces: list[HiddenStates]) -> None:
-        """Keep `pieces`, the captured states of the page named `name`, beside it (unless it
-        keeps some already, or the name is gone)."""
-        rec = self._names.get(name)
+    def attach(self, key: Key, pieces: list[HiddenStates]) -> None:
+        """Keep `pieces`, the captured states of the page filed under `key`, beside it
+        (unless it keeps some already, or the record is gone)."""
+        rec = self._names.get(key)
         if not self.max_snapshots or rec is None or rec.hidden is not None:
             return
         rec.hidden = pieces
         self.stats.hidden_bytes += _nbytes(pieces)
-        self._snapshots[name] = None
+        self._snapshots[key] = None
         while len(self._snapshots) > self.max_snapshots:
             self._drop_hidden(next(iter(self._snapshots)))
 
@@ -170,27 +175,34 @@ class PrefixCache:
             self.stats.hits += 1
             self.stats.hit_tokens += tokens
 
-    def commit(self, tokens: Sequence[int], pages: Sequence[int], names: list[bytes],
+    def commit(self, tokens: Sequence[int], pages: Sequence[int], keys: list[Key],
                upto: int, launch: int, adapter: int = 0,
                media: Sequence[EmbedSpan] = ()) -> None:
-        """Name the full pages of `pages` past the `names` they have, whose positions are all
-        below `upto` (their KV written by `launch` or earlier); their names are appended to
-        `names`. A page whose content is named already (another request's page) stays the
-        request's own, and `names` holds the existing name."""
+        """File the full pages of `pages` past the `keys` they have, whose positions are all
+        below `upto` (their KV written by `launch` or earlier); their keys are appended to
+        `keys`. A page whose content is cached already (another request's page) stays the
+        request's own, and `keys` holds the existing record's key."""
         ps = self.pool.page_size
-        parent = names[-1] if names else self.adapter_root(adapter)
-        while len(names) < min(upto // ps, len(pages)):
-            done = len(names)
-            chunk = packed(tokens[done * ps:(done + 1) * ps])
-            marks = media_marks(media, done * ps, (done + 1) * ps) if media else b""
-            parent = page_name(parent + marks, chunk)
+        if len(keys) >= min(upto // ps, len(pages)):
+            return
+        if keys:
+            rec = self._names.get(keys[-1])
+            parent = rec.name if rec is not None else page_name(*keys[-1])
+        else:
+            parent = self.adapter_root(adapter)
+        while len(keys) < min(upto // ps, len(pages)):
+            done = len(keys)
+            if media:
+                parent += media_marks(media, done * ps, (done + 1) * ps)
+            key = (parent, packed(tokens[done * ps:(done + 1) * ps]))
+            parent = page_name(*key)
             page = pages[done]
-            if parent not in self._names and page not in self._by_page:
-                self._names[parent] = _Record(page, chunk, launch)
-                self._by_page[page] = parent
+            if key not in self._names and page not in self._by_page:
+                self._names[key] = _Record(page, parent, launch)
+                self._by_page[page] = key
                 self.pool.keep(page)
                 self._bound()
-            names.append(parent)
+            keys.append(key)
 
     def clear(self) -> None:
         """Forget every name; idle pages are free again, held ones when released."""
@@ -212,16 +224,16 @@ class PrefixCache:
         self.stats.evictions += 1
 
     def _drop(self, page: int) -> None:
-        name = self._by_page.pop(page)
-        self._drop_hidden(name)
-        del self._names[name]
+        key = self._by_page.pop(page)
+        self._drop_hidden(key)
+        del self._names[key]
 
-    def _drop_hidden(self, name: bytes) -> None:
-        rec = self._names[name]
+    def _drop_hidden(self, key: Key) -> None:
+        rec = self._names[key]
         if rec.hidden is not None:
             self.stats.hidden_bytes -= _nbytes(rec.hidden)
             rec.hidden = None
-            del self._snapshots[name]
+            del self._snapshots[key]
 
 
 def _nbytes(pieces: list[HiddenStates]) -> int:

@@ -146,7 +146,7 @@ class SequenceState:
         self.t_first_token = 0.0
         self.t_scheduled = 0.0  # first time a row of it was launched
         self.greedy_spec: SampleSpec | None = None  # set by the first greedy pick
-        self.page_names: list[bytes] = []  # prefix-cache names of the leading full pages
+        self.page_names: list[tuple[bytes, bytes]] = []  # prefix-cache keys of its full pages
         self.reused_hidden: list[HiddenStates] = []  # kept states of reused pages, to deliver
         self.kept_rows: list[HiddenStates] = []  # delivered states not yet kept by the cache
         self.kept_pages = 0  # leading pages whose states the cache was given
