@@ -105,6 +105,8 @@ def prefill_attention_kernel(qkv_ptr, qkv_stride, k_pool_ptr, v_pool_ptr, out_pt
     first = tl.load(blocks_ptr + blk * 4 + 1)
     pos0 = tl.load(blocks_ptr + blk * 4 + 2)
     count = tl.load(blocks_ptr + blk * 4 + 3)
+    if count == 0:  # a padding block of a captured pass (every chunk row of the batch)
+        return
     kvh = head // GROUP
     m = tl.arange(0, BLOCK_M)
     d = tl.arange(0, HD_P)
