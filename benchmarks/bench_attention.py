@@ -6,9 +6,10 @@ n(n+1)/2 pairs) and each result's distance from SDPA's; then the Triton kernel's
 choices (queries per block, keys per tile, warps, stages), fastest first.
 
 With `--after P`, the prompts are short passes after P cached positions (a reused system
-prompt): only the Triton kernel, with its keys split over 1, 8, 16 or 32 programs per block
-(`prefill_splits`), merged by their last program or by a second launch (counted in), each
-timed inside a CUDA graph (the device's time, as the engine runs it) and eagerly.
+prompt): only the Triton kernel, in blocks of 16, 32 or 64 queries, with its keys split over
+1, 4, 8, 16 or 32 programs per block (`prefill_splits`), merged by their last program (and,
+at 8 splits, also by a second launch, counted in), each timed inside a CUDA graph (the
+device's time, as the engine runs it) and eagerly.
 
 Usage: python benchmarks/bench_attention.py [--shapes qwen2.5-1.5b,qwen2.5-7b]
        [--prompts 512,2048,8192] [--page-size 16] [--no-sweep] [--after 2000]
@@ -133,12 +134,13 @@ def after_prefix(shape: str, n: int, prefix: int, page: int) -> None:
     chunk = PrefillChunk([0] * n, prefix, order, 0)
     ref = None
     timings = []
-    for block_m in (16, 64):
+    for block_m in (16, 32, 64):
         lay = stager.stage([chunk], block_m)
         most = partials.part.shape[0] // n
-        for tiles in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (32, 4, 3)):
-            for splits, merge in ((s, m) for s in (1, 8, 16, 32) if s <= most
-                                  for m in (("self", "launch") if s > 1 else ("-",))):
+        for tiles in ((32, 4, 2), (64, 4, 2), (64, 4, 3)):
+            for splits, merge in ((s, m) for s in (1, 4, 8, 16, 32) if s <= most
+                                  for m in (("self", "launch") if s == 8 else
+                                            ("self",) if s > 1 else ("-",))):
                 def run(lay: PrefillLayout = lay, block_m: int = block_m,
                         tiles: Tiles = tiles, splits: int = splits, merge: str = merge) -> None:
                     launch_prefill_attention(qkv, k_pool, v_pool, lay.blocks, lay.tables, out,

@@ -23,7 +23,7 @@ if [ "${TTFT:-1}" = 1 ]; then
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [ "${ATTN:-1}" = 1 ]; then
-    timeout 120 python3 benchmarks/bench_attention.py --shapes qwen2.5-7b --prompts 50 \
+    timeout 240 python3 benchmarks/bench_attention.py --shapes qwen2.5-7b --prompts 50 \
         --after 2000 2>&1 | tee "$OUT/bench_attention_after.txt"
 fi
 exit $rc
