@@ -3,9 +3,11 @@
 # (.whl/), run the GPU tests of the split prefill attention, then the attention of a short
 # pass after a cached prompt (bench_attention.py --after: splits, tiles, merged by the last
 # split or by a second launch) and the TTFT of a reusing request against a cold one
-# (bench_prefix_cache.py, 7B shape, with the host/device timeline and the kernel profile).
-# Logs go to $OUT.
-#   TESTS=0 skips the tests, ATTN=0 the attention sweep, TTFT=0 the TTFT benchmark;
+# (bench_prefix_cache.py, 7B shape, with the host/device timeline and the kernel profile),
+# and whether weights read into L2 beside that attention speed up the products after it
+# (bench_l2_prefetch.py). Logs go to $OUT.
+#   TESTS=0 skips the tests, ATTN=0 the attention sweep, TTFT=0 the TTFT benchmark, L2=0 the
+#   L2 reads;
 #   TTFT_ARGS: more arguments for bench_prefix_cache.py.
 set -uo pipefail
 # shellcheck source=benchmarks/gpu_env.sh
@@ -25,5 +27,8 @@ fi
 if [ "${ATTN:-1}" = 1 ]; then
     timeout 240 python3 benchmarks/bench_attention.py --shapes qwen2.5-7b --prompts 50 \
         --after 2000 2>&1 | tee "$OUT/bench_attention_after.txt"
+fi
+if [ "${L2:-1}" = 1 ]; then
+    timeout 120 python3 benchmarks/bench_l2_prefetch.py 2>&1 | tee "$OUT/bench_l2_prefetch.txt"
 fi
 exit $rc
