@@ -43,6 +43,7 @@ from services.orchestrator.topology import StageSpec, Topology
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("llmstage.orchestrator")
+CLEANUP_WAIT_S = 5.0  # how long `close` waits for the runs' Finish and Reset calls
 
 
 class Orchestrator:
@@ -56,6 +57,7 @@ class Orchestrator:
         self.discover_interval_s = discover_interval_s
         self.discoveries: list[Discovery] = []
         self.runs: dict[str, RequestRun] = {}
+        self._cleanups: set[asyncio.Task[None]] = set()  # runs' cleanups under way
         self._queued: dict[str, asyncio.Event] = {}  # request id -> set to cancel it
         self.num_running = 0
         self.num_queued = 0
@@ -99,6 +101,14 @@ class Orchestrator:
         found.start()
 
     async def close(self) -> None:
+        """Stop. Every slot a request still holds on a stage is finished and reset first
+        (up to CLEANUP_WAIT_S), so the stages that outlive the orchestrator are left idle:
+        without the wait, a cleanup that a cancelled call started would die with the event
+        loop."""
+        pending = set(self._cleanups)
+        pending.update(self._cleanup(run, FinishReason.CANCELLED) for run in self.runs.values())
+        if pending:
+            await asyncio.wait(pending, timeout=CLEANUP_WAIT_S)
         for found in self.discoveries:
             await found.close()
         for pool in self.pools.values():
@@ -265,9 +275,16 @@ class Orchestrator:
                 reason = FinishReason.CANCELLED if run.is_cancelled else FinishReason.ERROR
                 # The client may be gone (this generator is being closed): shield the cleanup.
                 with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(run.cleanup(reason))
+                    await asyncio.shield(self._cleanup(run, reason))
         if not is_complete and run.is_cancelled:
             yield run.final_cancelled()
+
+    def _cleanup(self, run: RequestRun, reason: FinishReason) -> asyncio.Task[None]:
+        """`run.cleanup(reason)` as a task `close` waits for."""
+        task = asyncio.ensure_future(run.cleanup(reason))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+        return task
 
     def topology_report(self) -> TopologyReport:
         """The topology and the orchestrator's state accounting (with each replica's calls
