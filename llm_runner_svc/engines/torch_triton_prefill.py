@@ -205,14 +205,18 @@ def combine_kernel(part_ptr, ml_ptr, part_rows, out_ptr, out_stride, HD: tl.cons
 Tiles = tuple[int, int, int]  # (BLOCK_N, num_warps, num_stages)
 
 
-def tiles_for(block_m: int, mode: int) -> Tiles:
-    """Keys per tile, warps and pipeline stages for blocks of `block_m` queries. Measured on
-    the H200 (bench_attention.py, hd 128, 8,192 positions): 128 queries by 128 keys, 8 warps,
-    3 stages is the fastest bf16 choice, 12% ahead of 128 by 64; below 1,024 positions the
-    tile choices are within a few microseconds of each other. The float32-q modes hold four
-    products' operands: 64 keys, 2 stages."""
+def tiles_for(block_m: int, mode: int, splits: int = 1) -> Tiles:
+    """Keys per tile, warps and pipeline stages for blocks of `block_m` queries whose keys
+    are split over `splits` programs. Measured on the H200 (bench_attention.py, hd 128,
+    8,192 positions): 128 queries by 128 keys, 8 warps, 3 stages is the fastest bf16 choice,
+    12% ahead of 128 by 64; below 1,024 positions the tile choices are within a few
+    microseconds of each other. A split pass's few tiles per program go best with 2 stages
+    (H100, 50 queries after 2,000 positions: 16.9 us a layer against 17.5 with 3). The
+    float32-q modes hold four products' operands: 64 keys, 2 stages."""
     if mode == BF16:
-        return (128, 8, 3) if block_m >= 128 else (BLOCK_N, 4, 3)
+        if block_m >= 128:
+            return 128, 8, 3
+        return BLOCK_N, 4, 2 if splits > 1 else 3
     return BLOCK_N, 8 if block_m >= 128 else 4, 2
 
 
@@ -271,23 +275,26 @@ def launch_prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: to
                              num_heads: int, num_kv_heads: int, head_dim: int,
                              page_size: int, block_m: int, tiles: Tiles | None = None,
                              partials: PrefillPartials | None = None,
-                             splits: int | None = None, self_combine: bool = True) -> None:
+                             splits: int | None = None, self_combine: bool = False) -> None:
     """out [T, heads * hd] = causal attention of the q heads at the start of qkv rows over
     the pool, per the layout's `blocks` [B, 4] (of `block_m` queries) and `tables`
     [R, pages] (int64). `tiles`: (keys per tile, warps, stages), else `tiles_for`. With
-    `partials`, a short pass splits each block's keys (`prefill_splits`) and the
-    last split of each block to finish combines them (`self_combine`; else a second
-    launch does); `splits` overrides that choice (at most what `partials` holds rows
-    for)."""
+    `partials`, a short pass splits each block's keys (`prefill_splits`) and a second
+    launch combines them (`combine_kernel`), or with `self_combine` the last split of
+    each block to finish. Timed in a CUDA graph on an H100 (bench_attention.py --after,
+    50 queries after 2,000 positions, 7B shape), the second launch is the faster: 16.9 us
+    a layer, both launches counted, against 23.5 us, because the last split merges the
+    partials of a whole block alone, after the others have finished. `splits` overrides
+    the choice of splits (at most what `partials` holds rows for)."""
     is_f32 = (k_pool.dtype == torch.float32, qkv.dtype == torch.float32)
     mode = IEEE if is_f32[0] else SPLIT if is_f32[1] else BF16
-    block_n, warps, stages = tiles or tiles_for(block_m, mode)
     hd_p = max(16, 1 << (head_dim - 1).bit_length())
     tokens = qkv.shape[0]
     if partials is None:
         splits = 1
     elif splits is None:
         splits = prefill_splits(tokens, block_m, num_heads, partials.num_sms)
+    block_n, warps, stages = tiles or tiles_for(block_m, mode, splits)
     part, ml, counts = ((partials.part, partials.ml, partials.counts) if partials is not None
                         else (out, out, blocks))
     prefill_attention_kernel[(num_heads, blocks.shape[0], splits)](
