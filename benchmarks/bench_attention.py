@@ -6,10 +6,10 @@ n(n+1)/2 pairs) and each result's distance from SDPA's; then the Triton kernel's
 choices (queries per block, keys per tile, warps, stages), fastest first.
 
 With `--after P`, the prompts are short passes after P cached positions (a reused system
-prompt): only the Triton kernel, in blocks of 16, 32 or 64 queries, with its keys split over
-1, 4, 8, 16 or 32 programs per block (`prefill_splits`), merged by their last program (and,
-at 8 splits, also by a second launch, counted in), each timed inside a CUDA graph (the
-device's time, as the engine runs it) and eagerly.
+prompt): only the Triton kernel, in blocks of 64 queries, with its keys split over 1, 4, 8
+or 16 programs per block (`prefill_splits`), merged by their last program or by a second
+launch (counted in) that merges 1 to 16 queries per program (`MERGES`), each timed inside a
+CUDA graph (the device's time, as the engine runs it) and eagerly.
 
 Usage: python benchmarks/bench_attention.py [--shapes qwen2.5-1.5b,qwen2.5-7b]
        [--prompts 512,2048,8192] [--page-size 16] [--no-sweep] [--after 2000]
@@ -34,6 +34,7 @@ from llm_runner_svc.engines.torch_prefill import (  # noqa: E402
     PrefillStager,
 )
 from llm_runner_svc.engines.torch_triton_prefill import (  # noqa: E402
+    COMBINE_TOKENS,
     PrefillPartials,
     Tiles,
     launch_prefill_attention,
@@ -117,6 +118,12 @@ def bench(shape: str, n: int, page: int, has_sweep: bool) -> dict:
     return row
 
 
+# (splits, merge) of the --after sweep: merge 0 = the last split merges its block, k > 0 =
+# a second launch merges k queries per program
+MERGES = [(1, 1), (4, 0), (4, 1), (4, 8), (4, 16), (8, 0), (8, 1), (8, 4), (8, 8), (8, 16),
+          (16, 8), (16, 16)]
+
+
 def after_prefix(shape: str, n: int, prefix: int, page: int) -> None:
     """A pass of `n` queries at positions prefix .. prefix + n - 1: ms per layer by
     (queries per block, tiles, splits), fastest first, and the engine's own choice."""
@@ -134,19 +141,21 @@ def after_prefix(shape: str, n: int, prefix: int, page: int) -> None:
     chunk = PrefillChunk([0] * n, prefix, order, 0)
     ref = None
     timings = []
-    for block_m in (16, 32, 64):
+    for block_m in (64,):
         lay = stager.stage([chunk], block_m)
         most = partials.part.shape[0] // n
-        for tiles in ((32, 4, 2), (64, 4, 2), (64, 4, 3)):
-            for splits, merge in ((s, m) for s in (1, 4, 8, 16, 32) if s <= most
-                                  for m in (("self", "launch") if s == 8 else
-                                            ("self",) if s > 1 else ("-",))):
+        for tiles in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2)):
+            for splits, merge in MERGES:
+                if splits > most:
+                    continue
+
                 def run(lay: PrefillLayout = lay, block_m: int = block_m,
-                        tiles: Tiles = tiles, splits: int = splits, merge: str = merge) -> None:
+                        tiles: Tiles = tiles, splits: int = splits, merge: int = merge) -> None:
                     launch_prefill_attention(qkv, k_pool, v_pool, lay.blocks, lay.tables, out,
                                              c.num_heads, c.num_kv_heads, c.head_dim, page,
                                              block_m, tiles, partials, splits,
-                                             self_combine=merge != "launch")
+                                             self_combine=merge == 0,
+                                             combine_tokens=merge or None)
 
                 run()
                 got = out.float().clone()
@@ -154,11 +163,14 @@ def after_prefix(shape: str, n: int, prefix: int, page: int) -> None:
                 rel = float((got - ref).norm() / ref.norm())
                 us = gpu_paths.graph_us(run, reps=28)
                 eager = gpu_paths.event_ms(run, reps=20, rounds=3, warmup=2) * 1000
-                timings.append((us, eager, block_m, tiles, splits, merge, rel))
+                label = "-" if splits == 1 else "last split" if merge == 0 else \
+                    f"launch, {merge} per program"
+                timings.append((us, eager, block_m, tiles, splits, label, rel))
     timings.sort()
     own = prefill_splits(n, prefill_block(n), c.num_heads, sms)
     print(f"# {shape}: {n} queries after {prefix} positions; the engine takes block "
-          f"{prefill_block(n)}, {own} splits, merged by their last program. In a graph: "
+          f"{prefill_block(n)}, {own} splits, merged by a second launch, {COMBINE_TOKENS} "
+          "queries per program. In a graph: "
           f"{c.num_layers} launches captured as one CUDA graph, as the engine runs them; "
           "eagerly: launched one by one from Python")
     print("| queries per block | tiles (keys, warps, stages) | splits | merged by "

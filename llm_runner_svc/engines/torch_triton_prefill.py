@@ -180,26 +180,35 @@ def _merge_splits(part_ptr, ml_ptr, part_rows, row0, mmask, d, dmask, out_ptrs, 
 
 @triton.jit
 def combine_kernel(part_ptr, ml_ptr, part_rows, out_ptr, out_stride, HD: tl.constexpr,
-                   HD_P: tl.constexpr, SPLITS: tl.constexpr):
-    """Grid (tokens, heads): one query's SPLITS partial sums into its output. A split that
-    saw no key left max -inf and denominator 0, so it weighs nothing; a padding token that
-    no block holds reads stale partials and writes what it likes to its own row."""
-    tok = tl.program_id(0)
+                   HD_P: tl.constexpr, SPLITS: tl.constexpr, TOKENS: tl.constexpr):
+    """Grid (cdiv(tokens, TOKENS), heads): TOKENS queries' SPLITS partial sums into their
+    outputs, one head. A split that saw no key left max -inf and denominator 0, so it weighs
+    nothing; a padding token that no block holds reads stale partials and writes what it
+    likes to its own row."""
+    toks = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
+    tmask = toks < part_rows
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, HD_P)
-    row = (s * part_rows + tok) * num_heads + head  # [SPLITS]
-    m_s = tl.load(ml_ptr + row * 2)
-    l_s = tl.load(ml_ptr + row * 2 + 1)
-    m_max = tl.max(m_s, axis=0)
+    rows = (s[:, None] * part_rows + toks[None, :]) * num_heads + head  # [SPLITS, TOKENS]
+    m_s = tl.load(ml_ptr + rows * 2, mask=tmask[None, :], other=float("-inf"))
+    m_max = tl.max(m_s, axis=0)  # [TOKENS]
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m_s - m_max)
-    l_sum = tl.sum(w * l_s, axis=0)
-    acc = tl.sum(w[:, None] * tl.load(part_ptr + row[:, None] * HD_P + d[None, :]), axis=0)
-    res = tl.where(l_sum > 0, acc / l_sum, 0.0)
-    tl.store(out_ptr + tok * out_stride + head * HD + d, res.to(out_ptr.dtype.element_ty),
-             mask=d < HD)
+    l_sum = tl.zeros([TOKENS], tl.float32)
+    acc = tl.zeros([TOKENS, HD_P], tl.float32)
+    for sp in tl.static_range(SPLITS):
+        row = (sp * part_rows + toks) * num_heads + head  # [TOKENS]
+        w = tl.exp2(tl.load(ml_ptr + row * 2, mask=tmask, other=float("-inf")) - m_max)
+        l_sum += w * tl.load(ml_ptr + row * 2 + 1, mask=tmask, other=0.0)
+        acc += w[:, None] * tl.load(part_ptr + row[:, None] * HD_P + d[None, :],
+                                    mask=tmask[:, None], other=0.0)
+    res = tl.where(l_sum[:, None] > 0, acc / l_sum[:, None], 0.0)
+    tl.store(out_ptr + toks[:, None] * out_stride + head * HD + d[None, :],
+             res.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & (d < HD)[None, :])
+
+
+COMBINE_TOKENS = 8  # queries per combining program
 
 
 Tiles = tuple[int, int, int]  # (BLOCK_N, num_warps, num_stages)
@@ -275,7 +284,8 @@ def launch_prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: to
                              num_heads: int, num_kv_heads: int, head_dim: int,
                              page_size: int, block_m: int, tiles: Tiles | None = None,
                              partials: PrefillPartials | None = None,
-                             splits: int | None = None, self_combine: bool = False) -> None:
+                             splits: int | None = None, self_combine: bool = False,
+                             combine_tokens: int | None = None) -> None:
     """out [T, heads * hd] = causal attention of the q heads at the start of qkv rows over
     the pool, per the layout's `blocks` [B, 4] (of `block_m` queries) and `tables`
     [R, pages] (int64). `tiles`: (keys per tile, warps, stages), else `tiles_for`. With
@@ -285,7 +295,8 @@ def launch_prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     50 queries after 2,000 positions, 7B shape), the second launch is the faster: 16.9 us
     a layer, both launches counted, against 23.5 us, because the last split merges the
     partials of a whole block alone, after the others have finished. `splits` overrides
-    the choice of splits (at most what `partials` holds rows for)."""
+    the choice of splits (at most what `partials` holds rows for); `combine_tokens`, the
+    queries each combining program merges (a power of two; default COMBINE_TOKENS)."""
     is_f32 = (k_pool.dtype == torch.float32, qkv.dtype == torch.float32)
     mode = IEEE if is_f32[0] else SPLIT if is_f32[1] else BF16
     hd_p = max(16, 1 << (head_dim - 1).bit_length())
@@ -304,5 +315,7 @@ def launch_prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: to
         HD_P=hd_p, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, MODE=mode,
         SPLITS=splits, SELF_COMBINE=self_combine, num_warps=warps, num_stages=stages)
     if splits > 1 and not self_combine:
-        combine_kernel[(tokens, num_heads)](part, ml, tokens, out, out.stride(0), HD=head_dim,
-                                            HD_P=hd_p, SPLITS=splits, num_warps=4)
+        per = combine_tokens or COMBINE_TOKENS
+        combine_kernel[(triton.cdiv(tokens, per), num_heads)](
+            part, ml, tokens, out, out.stride(0), HD=head_dim, HD_P=hd_p, SPLITS=splits,
+            TOKENS=per, num_warps=4)

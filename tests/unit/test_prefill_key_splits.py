@@ -1,8 +1,8 @@
 """Prefill attention with each query block's keys split over several programs, on Triton's
 CPU interpreter (float32 operands, exact products): whether the last split of a block merges
-the splits itself or a second launch does, the result is the float64 reference's, for
-chunks after long prefixes, a chunk whose keys fit one split, and padding blocks; the
-self-merging launch leaves its counts at zero for the next one."""
+the splits itself or a second launch does (a query or 16 per program), the result is the
+float64 reference's, for chunks after long prefixes, a chunk whose keys fit one split, and
+padding blocks; the self-merging launch leaves its counts at zero for the next one."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ def _reference(qkv, k_pool, v_pool, tables, row, first, count, start, heads, kv_
     return want.transpose(0, 1).reshape(count, heads * hd)
 
 
-@pytest.mark.parametrize("self_combine", [True, False])
-def test_split_keys_merge_to_the_reference(self_combine, request):
+@pytest.mark.parametrize("self_combine, combine_tokens",
+                         [(True, None), (False, 1), (False, 16)])
+def test_split_keys_merge_to_the_reference(self_combine, combine_tokens, request):
     if rerun_interpreted(request):
         return
     from llm_runner_svc.engines.torch_prefill import PrefillChunk, PrefillStager
@@ -57,7 +58,8 @@ def test_split_keys_merge_to_the_reference(self_combine, request):
             out = torch.zeros(n, heads * hd)
             launch_prefill_attention(qkv, k_pool, v_pool, layout.blocks, layout.tables, out,
                                      heads, kv_heads, hd, page, layout.block, (16, 4, 1),
-                                     partials, splits, self_combine=self_combine)
+                                     partials, splits, self_combine=self_combine,
+                                     combine_tokens=combine_tokens)
             for i, (first, count, start) in enumerate(layout.spans):
                 want = _reference(qkv, k_pool, v_pool, layout.tables, i, first, count, start,
                                   heads, kv_heads, hd, page)
