@@ -183,15 +183,15 @@ class PrefixCache:
         `keys`. A page whose content is cached already (another request's page) stays the
         request's own, and `keys` holds the existing record's key."""
         ps = self.pool.page_size
-        if len(keys) >= min(upto // ps, len(pages)):
+        end = min(upto // ps, len(pages))  # the full pages to file
+        if len(keys) >= end:
             return
         if keys:
             rec = self._names.get(keys[-1])
             parent = rec.name if rec is not None else page_name(*keys[-1])
         else:
             parent = self.adapter_root(adapter)
-        while len(keys) < min(upto // ps, len(pages)):
-            done = len(keys)
+        for done in range(len(keys), end):
             if media:
                 parent += media_marks(media, done * ps, (done + 1) * ps)
             key = (parent, packed(tokens[done * ps:(done + 1) * ps]))

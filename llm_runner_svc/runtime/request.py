@@ -12,6 +12,7 @@ from llm_runner_svc.engines.base import HiddenStates, SampleSpec
 from llm_runner_svc.engines.batch import EmbedSpan
 from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.models.tokenizer import StreamDecoder
+from llm_runner_svc.runtime.prefix_cache import Key
 from llm_runner_svc.runtime.sampling import SamplingParams, accept_draw, uniform_draw
 from llm_runner_svc.runtime.stops import StopMatcher
 from services.stage.ending import FinishReason  # the contract's reasons, shared with stages
@@ -146,7 +147,7 @@ class SequenceState:
         self.t_first_token = 0.0
         self.t_scheduled = 0.0  # first time a row of it was launched
         self.greedy_spec: SampleSpec | None = None  # set by the first greedy pick
-        self.page_names: list[tuple[bytes, bytes]] = []  # prefix-cache keys of its full pages
+        self.page_keys: list[Key] = []  # prefix-cache keys of its leading full pages
         self.reused_hidden: list[HiddenStates] = []  # kept states of reused pages, to deliver
         self.kept_rows: list[HiddenStates] = []  # delivered states not yet kept by the cache
         self.kept_pages = 0  # leading pages whose states the cache was given

@@ -204,7 +204,7 @@ class Scheduler:
                     self.pool.num_free:
                 self.pool.release(seq.pages)
                 seq.computed = 0
-                seq.page_names, seq.reused_hidden = [], []
+                seq.page_keys, seq.reused_hidden = [], []
                 break
             self.waiting.remove(seq)
             if self.cache is not None:
@@ -228,11 +228,11 @@ class Scheduler:
         hidden = seq.req.capture_hidden
         if hidden and not self.cache.max_snapshots:
             return
-        seq.pages, seq.page_names = self.cache.match(seq.known, self.launches, hidden,
+        seq.pages, seq.page_keys = self.cache.match(seq.known, self.launches, hidden,
                                                      seq.req.adapter, seq.req.embeds)
         seq.computed = len(seq.pages) * self.pool.page_size
         if hidden:
-            seq.reused_hidden = self.cache.pieces(seq.page_names)
+            seq.reused_hidden = self.cache.pieces(seq.page_keys)
 
     def keep_hidden(self, seq: SequenceState, hs: HiddenStates) -> None:
         """`hs` was delivered to `seq`: full named pages whose states are all delivered keep
@@ -241,10 +241,10 @@ class Scheduler:
             return
         ps = self.pool.page_size
         seq.kept_rows.append(hs)
-        full = min(len(seq.page_names), seq.hidden_upto // ps)
+        full = min(len(seq.page_keys), seq.hidden_upto // ps)
         while seq.kept_pages < full:
             j = seq.kept_pages
-            self.cache.attach(seq.page_names[j], window(seq.kept_rows, j * ps, (j + 1) * ps))
+            self.cache.attach(seq.page_keys[j], window(seq.kept_rows, j * ps, (j + 1) * ps))
             seq.kept_pages += 1
         lo = seq.kept_pages * ps
         seq.kept_rows = [h for h in seq.kept_rows if h.start_position + len(h.states) > lo]
@@ -256,7 +256,7 @@ class Scheduler:
         upto = min(seq.computed, len(seq.known))
         if not seq.req.cache_generated:
             upto = min(upto, len(seq.req.prompt_ids))
-        self.cache.commit(seq.known, seq.pages, seq.page_names, upto, launch, seq.req.adapter,
+        self.cache.commit(seq.known, seq.pages, seq.page_keys, upto, launch, seq.req.adapter,
                           seq.req.embeds)
 
     def _plan_row(self, seq: SequenceState, plan: Planned, tokens: tuple[int, ...],
@@ -309,7 +309,7 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.release(seq.pages)
         seq.computed = 0
-        seq.page_names = []
+        seq.page_keys = []
         seq.status = SeqStatus.PREEMPTED
         seq.pick_launch = -1
         self.waiting.appendleft(seq)
