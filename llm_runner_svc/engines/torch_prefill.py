@@ -68,6 +68,7 @@ class PrefillStager:
         else:
             self._host = self._device
         self._np: np.ndarray = self._host.numpy()
+        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -136,9 +137,15 @@ class PrefillStager:
         if self._is_cuda:
             self._device[:used].copy_(self._host[:used], non_blocking=True)
             self._copied.record()
-        d = self._device
+        views = self._views.get((t, r, used))
+        if views is None:
+            d = self._device
+            views = (d[:t], d[t:2 * t], d[2 * t:3 * t], d[3 * t:3 * t + r],
+                     d[3 * t + r:3 * t + 2 * r], d[3 * t + 2 * r:lo].view(r, p),
+                     d[lo:used].view(-1, 4))
+            if pad_tokens:  # a captured pass's shape: staged again and again
+                self._views[t, r, used] = views
+        ids_d, pos_d, slots_d, last_d, dest_d, tables_d, blocks_d = views
         return PrefillLayout(
-            num_tokens=t, ids=d[:t], positions=d[t:2 * t], slots=d[2 * t:3 * t],
-            last=d[3 * t:3 * t + r], dest=d[3 * t + r:3 * t + 2 * r],
-            tables=d[3 * t + 2 * r:lo].view(r, p),
-            blocks=d[lo:used].view(-1, 4), spans=tuple(spans), block=block)
+            num_tokens=t, ids=ids_d, positions=pos_d, slots=slots_d, last=last_d, dest=dest_d,
+            tables=tables_d, blocks=blocks_d, spans=tuple(spans), block=block)

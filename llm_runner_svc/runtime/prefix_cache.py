@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,9 +73,17 @@ def media_marks(media: Sequence[EmbedSpan], lo: int, hi: int) -> bytes:
     return out
 
 
+_UINT32 = "I" if array("I").itemsize == 4 else "L"
+_SWAP = sys.byteorder != "little"
+
+
 def packed(tokens: Sequence[int]) -> bytes:
-    """Token ids as little-endian uint32, what page names hash and records compare."""
-    return struct.pack(f"<{len(tokens)}I", *tokens)
+    """Token ids as little-endian uint32, what page names hash and records compare.
+    OverflowError for an id outside 0 .. 2**32 - 1, TypeError for one that is no int."""
+    ids = array(_UINT32, tokens)
+    if _SWAP:
+        ids.byteswap()
+    return ids.tobytes()
 
 
 def page_name(parent: bytes, ids: bytes) -> bytes:
@@ -120,17 +130,24 @@ class PrefixCache:
                          packed((adapter, self._adapter_loads.get(adapter, 0))))
 
     def match(self, tokens: Sequence[int], launches: int, hidden: bool = False,
-              adapter: int = 0, media: Sequence[EmbedSpan] = ()) -> tuple[list[int], list[Key]]:
+              adapter: int = 0, media: Sequence[EmbedSpan] = (),
+              head: bytes = b"") -> tuple[list[int], list[Key]]:
         """The pages of the longest cached prefix of `tokens`, each with a new holder, and
         their keys. At least one token is left out (its logits give the first pick), so a
         prompt of whole pages reuses all but its last page. Only pages written by launches
-        up to `launches` count; with `hidden`, only pages that keep their states."""
+        up to `launches` count; with `hidden`, only pages that keep their states. `head`:
+        the `packed` ids of a prefix of `tokens` (the prompt's, packed at admission), so
+        only what follows it is packed here."""
         ps = self.pool.page_size
         pages: list[int] = []
         keys: list[Key] = []
         parent = self.adapter_root(adapter)
         full = (len(tokens) - 1) // ps
-        ids, width = packed(tokens[:full * ps]), 4 * ps
+        width = 4 * ps
+        if len(head) >= full * width:
+            ids = head[:full * width]
+        else:
+            ids = head + packed(tokens[len(head) // 4:full * ps])
         records = self._names  # (a 2,000-token prompt looks up 125 pages)
         for i in range(full):
             if media:

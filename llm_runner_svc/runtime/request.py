@@ -124,8 +124,10 @@ class SequenceState:
     position after the last of them). A speculative request has a `proposer`.
     """
 
-    def __init__(self, req: GenerationRequest, decoder: StreamDecoder, stops: StopMatcher) -> None:
+    def __init__(self, req: GenerationRequest, decoder: StreamDecoder, stops: StopMatcher,
+                 packed_prompt: bytes = b"") -> None:
         self.req = req
+        self.packed_prompt = packed_prompt  # the prompt's ids as the prefix cache packs them
         self.decoder = decoder
         self.stops = stops
         self.pages: list[int] = []

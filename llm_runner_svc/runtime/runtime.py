@@ -32,7 +32,7 @@ from llm_runner_svc.runtime.advance import Flight, SequenceAdvance
 from llm_runner_svc.runtime.config import RuntimeConfig
 from llm_runner_svc.runtime.drafting import DraftProposer
 from llm_runner_svc.runtime.kv import PagePool
-from llm_runner_svc.runtime.prefix_cache import PrefixCache
+from llm_runner_svc.runtime.prefix_cache import PrefixCache, packed
 from llm_runner_svc.runtime.request import (
     FinishReason,
     GenerationRequest,
@@ -165,47 +165,58 @@ class InferenceRuntime(SequenceAdvance):
 
     def admission_error(self, req: GenerationRequest) -> RunnerError | None:
         """Why `req` cannot be served, or None. Cheap; allocates nothing."""
+        try:
+            self._admissible(req)
+        except RunnerError as err:
+            return err
+        return None
+
+    def _admissible(self, req: GenerationRequest) -> bytes:
+        """The prompt's ids `packed` (which the prefix lookup reads), once `req` is found
+        servable; raises the error `admission_error` returns."""
         n = len(req.prompt_ids)
         if n >= self.max_seq:
-            return InvalidArgument(
+            raise InvalidArgument(
                 f"prompt has {n} tokens; maxSeq is {self.max_seq}, which leaves no room to "
                 "generate")
         vocab = self.engine.config.vocab_size
-        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
-            return InvalidArgument(f"prompt holds a token id outside 0..{vocab - 1}")
+        try:  # packing refuses a negative id (or one that is no int)
+            ids = packed(req.prompt_ids)
+        except (OverflowError, TypeError):
+            ids = b""
+        if not ids or max(req.prompt_ids) >= vocab:
+            raise InvalidArgument(f"prompt holds a token id outside 0..{vocab - 1}")
         bad = [t for t in req.sampling.logit_bias if t >= vocab]
         if bad:
-            return InvalidArgument(f"logit_bias names token {bad[0]}, outside 0..{vocab - 1}")
+            raise InvalidArgument(f"logit_bias names token {bad[0]}, outside 0..{vocab - 1}")
         if not 0 <= req.adapter <= self.engine.num_adapters:
-            return NotFound(f"LoRA adapter {req.adapter}: the engine holds "
-                            f"{self.engine.num_adapters}")
+            raise NotFound(f"LoRA adapter {req.adapter}: the engine holds "
+                           f"{self.engine.num_adapters}")
         if req.capture_hidden and self.config.hidden_layer is None:
-            return FailedPrecondition("hidden states were requested but this deployment "
-                                      "declares no hidden port (accept_hidden_layer unset)")
+            raise FailedPrecondition("hidden states were requested but this deployment "
+                                     "declares no hidden port (accept_hidden_layer unset)")
         if req.request_id in self._seqs:
-            return FailedPrecondition(f"request id {req.request_id!r} is already in flight")
+            raise FailedPrecondition(f"request id {req.request_id!r} is already in flight")
         need = self.pages.pages_for(min(n + req.sampling.max_new_tokens, self.max_seq))
         if need > self.pages.num_pages:
-            return ResourceExhausted(
+            raise ResourceExhausted(
                 f"prompt of {n} tokens and max_tokens {req.sampling.max_new_tokens} need "
                 f"{need} KV pages; the pool holds {self.pages.num_pages}")
         if len(self.scheduler.waiting) >= self.config.max_waiting:
-            return ResourceExhausted(
+            raise ResourceExhausted(
                 f"waiting queue is full ({self.config.max_waiting} requests)")
-        return None
+        return ids
 
     def submit(self, req: GenerationRequest) -> None:
         """Queue `req`; it joins the batch at the next step with a free row."""
         if not self._is_ready:
             raise FailedPrecondition("runtime used before preallocate()")
         with self._lock:
-            err = self.admission_error(req)
-            if err is not None:
-                raise err
+            ids = self._admissible(req)
             after_bos = self.tokenizer.bos_id is not None and \
                 req.prompt_ids[-1] == self.tokenizer.bos_id
             seq = SequenceState(req, StreamDecoder(self.tokenizer, after_bos),
-                                StopMatcher(req.stop))
+                                StopMatcher(req.stop), ids)
             if self._speculates(req):
                 seq.proposer = self.proposer
             self._seqs[req.request_id] = seq

@@ -229,7 +229,8 @@ class Scheduler:
         if hidden and not self.cache.max_snapshots:
             return
         seq.pages, seq.page_keys = self.cache.match(seq.known, self.launches, hidden,
-                                                     seq.req.adapter, seq.req.embeds)
+                                                     seq.req.adapter, seq.req.embeds,
+                                                     seq.packed_prompt)
         seq.computed = len(seq.pages) * self.pool.page_size
         if hidden:
             seq.reused_hidden = self.cache.pieces(seq.page_keys)

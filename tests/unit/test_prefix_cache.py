@@ -10,7 +10,7 @@ from helpers import make_runtime
 
 from llm_runner_svc.runtime import GenerationRequest, RuntimeConfig, resolve
 from llm_runner_svc.runtime.kv import PagePool
-from llm_runner_svc.runtime.prefix_cache import PrefixCache
+from llm_runner_svc.runtime.prefix_cache import PrefixCache, packed
 
 PS = 16
 STORY = ("Once upon a time, there was a little girl named Lily. She liked to play outside in "
@@ -209,6 +209,28 @@ def test_pool_evicts_only_idle_pages_oldest_first():
     cache.clear()
     pool.release([pages[1], *got])
     assert pool.num_free == 4 and pool.num_idle == 0
+
+
+@pytest.mark.parametrize("head", [0, 1, 3, 4, 9])
+def test_a_packed_head_matches_as_the_tokens_do(head):
+    """The prompt's ids packed at admission stand for that many leading tokens; whatever
+    of the matched pages lies past them (a request preempted after generating) is packed
+    from the tokens, and a head that differs from the tokens decides the match."""
+    pool = PagePool(8, 2)
+    cache = PrefixCache(pool, "k")
+    tokens = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    pages = pool.allocate(4)
+    cache.commit(tokens, pages, [], 8, 0)
+    got, keys = cache.match(tokens, 0, head=packed(tokens[:head]))
+    assert got == pages and len(keys) == 4
+    pool.release(got)
+    other = packed([5, 6, 7, 99][:head])  # from its 4th id on, the second page differs
+    got, _ = cache.match(tokens, 0, head=other)
+    assert got == (pages[:1] if head >= 4 else pages)
+    pool.release(got)
+    cache.clear()
+    pool.release(pages)
+    assert pool.num_free == 8
 
 
 @pytest.mark.parametrize("generated", [True, False])

@@ -157,8 +157,11 @@ def test_bad_requests_are_refused_and_runtime_stays_usable(stories):
         GenerationRequest("e", [], sampling)
     with pytest.raises(InvalidArgument, match="maxSeq is 64"):
         rt.submit(GenerationRequest("long", [1] + [300] * 70, sampling))
-    with pytest.raises(InvalidArgument, match="outside"):
-        rt.submit(GenerationRequest("oov", [1, 9999], sampling))
+    for bad in ([1, 9999], [1, -1], [1, 2**32], [1, 2**40], [1, 2.0]):
+        with pytest.raises(InvalidArgument, match="outside"):
+            rt.submit(GenerationRequest("oov", bad, sampling))
+        assert isinstance(rt.admission_error(GenerationRequest("oov", bad, sampling)),
+                          InvalidArgument)
     with pytest.raises(FailedPrecondition, match="hidden"):
         rt.submit(GenerationRequest("h", [1], sampling, capture_hidden=True))
     rt.submit(GenerationRequest("ok", [1, 403], sampling))
