@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import platform
 import pstats
@@ -27,6 +28,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import llm_runner_svc  # noqa: F401  (first: its BLAS settings apply before numpy loads)
@@ -226,7 +228,7 @@ class _NoText(Tokenizer):
         return ""
 
 
-def torch_model(shape: str, **options: int) -> tuple[Model, Engines]:
+def torch_model(shape: str, **options: Any) -> tuple[Model, Engines]:
     import torch
 
     from llm_runner_svc.engines.torch_engine import TorchEngine
@@ -256,6 +258,11 @@ def main() -> None:
                     help="the torch engine's option (default: the engine's)")
     ap.add_argument("--split-prefill-keys", type=int, choices=(0, 1), default=None,
                     help="the torch engine's option (default: the engine's)")
+    ap.add_argument("--short-prefill-rows", type=int, default=None,
+                    help="the torch engine's option (default: the engine's)")
+    ap.add_argument("--short-tilings", default=None,
+                    help="the short products' tilings, as bench_short_products.py --write "
+                         "leaves them (JSON)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="cold/reuse rounds, the median reported (default 5 on torch, else 1)")
     ap.add_argument("--gpu-profile", action="store_true",
@@ -266,8 +273,14 @@ def main() -> None:
     if args.engine == "torch":
         options = {k: v for k, v in (("fused_prefill_rows", args.fused_prefill_rows),
                                      ("prefill_graph_tokens", args.prefill_graph_tokens),
-                                     ("split_prefill_keys", args.split_prefill_keys))
+                                     ("split_prefill_keys", args.split_prefill_keys),
+                                     ("short_prefill_rows", args.short_prefill_rows))
                    if v is not None}
+        if args.short_tilings:
+            from llm_runner_svc.engines.torch_triton_short import Tiling
+
+            rows = json.loads(Path(args.short_tilings).read_text())["tilings"]
+            options["short_tilings"] = {tuple(r[:3]): Tiling(*r[3:]) for r in rows}
         model, engine = torch_model(args.shape, **options)
         where = f"{args.shape} (random bf16 weights) on the torch engine, CUDA {options}"
     else:

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Prefix reuse on one GPU in one call (a few minutes on an H200): install the carried wheels
-# (.whl/), run the GPU tests of the split prefill attention, then the attention of a short
-# pass after a cached prompt (bench_attention.py --after: splits, tiles, merged by the last
-# split or by a second launch) and the TTFT of a reusing request against a cold one
-# (bench_prefix_cache.py, 7B shape, with the host/device timeline and the kernel profile),
-# and whether weights read into L2 beside that attention speed up the products after it
-# (bench_l2_prefetch.py). Logs go to $OUT.
-#   TESTS=0 skips the tests, ATTN=0 the attention sweep, TTFT=0 the TTFT benchmark, L2=0 the
-#   L2 reads;
+# Prefix reuse on one GPU in one call (several minutes on an H200): install the carried
+# wheels (.whl/), run the GPU tests of the split prefill attention and the short products,
+# sweep the short products' tilings against cuBLAS at the 7B layer shapes
+# (bench_short_products.py, the fastest written to $OUT/short_tilings.json), then the TTFT of
+# a reusing request against a cold one (bench_prefix_cache.py, 7B shape, with the host/device
+# timeline): on the short products with those tilings (and the kernel profile), then on
+# cuBLAS, in the same call; then the attention of a short pass after a cached prompt
+# (bench_attention.py --after: splits, tiles, merged by the last split or by a second
+# launch). Logs go to $OUT.
+#   TESTS=0 skips the tests, SHORT=0 the tilings sweep (the TTFT runs on the engine's
+#   default then), TTFT=0 the TTFT runs, ATTN=0 the attention sweep; L2=1 adds the L2 reads
+#   beside the attention (bench_l2_prefetch.py);
 #   TTFT_ARGS: more arguments for bench_prefix_cache.py.
 set -uo pipefail
 # shellcheck source=benchmarks/gpu_env.sh
@@ -15,20 +18,34 @@ set -uo pipefail
 gpu_setup || exit 1
 rc=0
 if [ "${TESTS:-1}" = 1 ]; then
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra -rP" \
-        tests/unit/test_torch_gpu.py -k "split_prefill_keys" 2>&1 | tee "$OUT/ctx_tests.txt"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra -rP" \
+        tests/unit/test_torch_gpu.py -k "split_prefill_keys or short_products" 2>&1 \
+        | tee "$OUT/ctx_tests.txt"
     rc=${PIPESTATUS[0]}
 fi
+tilings=()
+if [ "${SHORT:-1}" = 1 ]; then
+    timeout 200 python3 benchmarks/bench_short_products.py --write "$OUT/short_tilings.json" \
+        2>&1 | tee "$OUT/bench_short_products.txt"
+    [ -s "$OUT/short_tilings.json" ] && tilings=(--short-prefill-rows 64 --short-tilings \
+        "$OUT/short_tilings.json")
+fi
 if [ "${TTFT:-1}" = 1 ]; then
-    timeout 240 python3 benchmarks/bench_prefix_cache.py --engine torch --shape qwen2.5-7b \
-        --rounds 5 --timeline --gpu-profile ${TTFT_ARGS:-} 2>&1 | tee "$OUT/bench_prefix_cache.txt"
+    timeout 200 python3 benchmarks/bench_prefix_cache.py --engine torch --shape qwen2.5-7b \
+        --rounds 5 --timeline --gpu-profile "${tilings[@]}" ${TTFT_ARGS:-} 2>&1 \
+        | tee "$OUT/bench_prefix_cache.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    if [ ${#tilings[@]} -gt 0 ]; then
+        timeout 150 python3 benchmarks/bench_prefix_cache.py --engine torch \
+            --shape qwen2.5-7b --rounds 5 --timeline --short-prefill-rows 0 ${TTFT_ARGS:-} \
+            2>&1 | tee "$OUT/bench_prefix_cache_cublas.txt"
+    fi
 fi
 if [ "${ATTN:-1}" = 1 ]; then
-    timeout 240 python3 benchmarks/bench_attention.py --shapes qwen2.5-7b --prompts 50 \
+    timeout 180 python3 benchmarks/bench_attention.py --shapes qwen2.5-7b --prompts 50 \
         --after 2000 2>&1 | tee "$OUT/bench_attention_after.txt"
 fi
-if [ "${L2:-1}" = 1 ]; then
+if [ "${L2:-0}" = 1 ]; then
     timeout 120 python3 benchmarks/bench_l2_prefetch.py 2>&1 | tee "$OUT/bench_l2_prefetch.txt"
 fi
 exit $rc

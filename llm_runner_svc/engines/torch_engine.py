@@ -17,7 +17,8 @@ torch_steps.py. Hidden states stay staged on the device unless a row asked for t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -49,6 +50,10 @@ FUSED_ROWS = 1  # batch 1; the fused kernel's few-row variants lose to cuBLAS
 # prefix takes 20.8 ms on them, 7.5 ms on cuBLAS), so larger models skip them by default.
 FUSED_PREFILL_ROWS = 64
 FUSED_PREFILL_PARAMS = 1_000_000_000
+# Prefill passes of up to this many tokens on bf16 weights (and no float32 activations)
+# multiply on the short products, their norms, SiLU gate and residual sums inside them
+# (torch_triton_short.py); 0: on cuBLAS, with those steps as kernels of their own.
+SHORT_PREFILL_ROWS = 0
 # Prefill passes up to this many tokens run from CUDA graphs: below it an eager forward's
 # launches take longer on the host than its work on the GPU (7B shapes, H200).
 PREFILL_GRAPH_TOKENS = 512
@@ -87,7 +92,9 @@ class TorchEngine(TorchSteps):
                  mixed_steps: str = "split",
                  prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS,
                  split_prefill_keys: bool = True,
-                 adapters: Sequence[LoraAdapter] = ()) -> None:
+                 adapters: Sequence[LoraAdapter] = (),
+                 short_prefill_rows: int = SHORT_PREFILL_ROWS,
+                 short_tilings: Mapping[Any, Any] | None = None) -> None:
         """`dtype`: "float32" or "bfloat16" (default: bf16 on CUDA, float32 on the CPU).
         `kernels`: "triton" (the CUDA default: fused kernels, decode steps as CUDA graphs), or
         "torch" for the plain reference ops, run eagerly.
@@ -110,7 +117,13 @@ class TorchEngine(TorchSteps):
         on CUDA, decode batches with such rows replay their own graphs, which add each
         row's adapter from stacked slot buffers (torch_lora_triton.py; at batch 1 inside
         the fused products, in larger batches reading each adapter once); a prefill forward
-        with such rows runs eagerly and unfused (torch_lora.py)."""
+        with such rows runs eagerly and unfused (torch_lora.py).
+        `short_prefill_rows`: with triton kernels and bf16 weights, prefill passes of more
+        than `fused_prefill_rows` and at most this many tokens (up to 64) multiply on the
+        short products (torch_triton_short.py), each layer's norms, SiLU gate and residual
+        sums inside its four product launches; 0: cuBLAS. `short_tilings`: their tilings
+        by (output columns, k, mode), as `bench_short_products.py --write` measures them
+        (default: `default_tiling`)."""
         self.config = config
         self.device = resolve_device(device)
         default = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -132,6 +145,10 @@ class TorchEngine(TorchSteps):
         self.mixed_steps = mixed_steps
         self.prefill_graph_tokens = max(0, prefill_graph_tokens)
         self.split_prefill_keys = split_prefill_keys
+        if not 0 <= short_prefill_rows <= 64:
+            raise InvalidArgument(f"short_prefill_rows {short_prefill_rows}: 0 to 64")
+        self.short_prefill_rows = short_prefill_rows
+        self.short_tilings = dict(short_tilings or {})
         self.fused_rows = fused_rows
         self.fused_prefill_rows = fused_prefill_rows
         self.weights = weights if isinstance(weights, TorchWeights) else load_weights(
@@ -172,9 +189,11 @@ class TorchEngine(TorchSteps):
                        if self.device.type == "cuda" else 1)
             ops = TritonOps(c, plan.page_size, num_sms, has_fused, self.split_prefill_keys)
             self._bytes += ops.reserve(plan.max_decode_rows, plan.max_seq, self.device)
+        short = self._short_products(ops)
         self.forward = Forward(c, self.weights, ops, self.state, plan.hidden_layer,
                                plan.page_size, has_f32, self.fused_rows,
-                               self.fused_prefill_rows, self.lora)
+                               self.fused_prefill_rows, self.lora, short,
+                               self.short_prefill_rows)
         self.stager = InputStager(self.state, scratch_page=plan.num_pages)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
@@ -196,6 +215,23 @@ class TorchEngine(TorchSteps):
                            max(pass_tokens(plan), plan.max_decode_rows))
         self._bytes += self.picks.nbytes
         self._last_sampled: tuple[bool, ...] = ()  # which rows of the last forward picked
+
+    def _short_products(self, ops: TorchOps) -> Any:
+        """The short passes' products with their partials claimed (None: not used here)."""
+        if not (self.short_prefill_rows > self.fused_prefill_rows and self.kernels == "triton"
+                and self.dtype == torch.bfloat16 and self.device.type == "cuda"):
+            return None
+        from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE
+        from llm_runner_svc.engines.torch_triton_short import ShortProducts
+
+        c = self.config
+        short = ShortProducts(c.rms_eps, getattr(ops, "num_sms", 1), self.short_tilings)
+        self._bytes += short.reserve([(c.q_dim + 2 * c.kv_dim, c.hidden_size, STORE),
+                                      (c.hidden_size, c.q_dim, ACCUMULATE),
+                                      (c.intermediate_size, c.hidden_size, SILU_GATE),
+                                      (c.hidden_size, c.intermediate_size, ACCUMULATE)],
+                                     self.device)
+        return short
 
     def close(self) -> None:
         if self._plan is None:

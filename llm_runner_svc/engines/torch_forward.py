@@ -11,7 +11,7 @@ also keep float32 activations (the fused products) depends on the rows: see `fus
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,6 +21,9 @@ from llm_runner_svc.engines.torch_ops import Rope, TorchOps, pool_slots
 from llm_runner_svc.engines.torch_prefill import PrefillLayout
 from llm_runner_svc.engines.torch_state import RunState
 from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE
+
+if TYPE_CHECKING:  # (CUDA only)
+    from llm_runner_svc.engines.torch_triton_short import ShortProducts
 from llm_runner_svc.engines.torch_weights import TorchWeights
 from llm_runner_svc.models.spec import ModelConfig
 
@@ -52,7 +55,10 @@ class Forward:
     def __init__(self, config: ModelConfig, weights: TorchWeights, ops: TorchOps,
                  state: RunState, hidden_layer: int | None, page_size: int,
                  has_f32_products: bool, fused_rows: int = 0,
-                 fused_prefill_rows: int = 0, lora: TorchLora | None = None) -> None:
+                 fused_prefill_rows: int = 0, lora: TorchLora | None = None,
+                 short: ShortProducts | None = None, short_rows: int = 0) -> None:
+        """`short`: the short passes' products, for prefill passes of up to `short_rows`
+        tokens that keep no float32 activations (`prefill`)."""
         self.config = config
         self.lora = lora  # the LoRA adapters rows may name
         if lora is not None:  # the per-row products' scratch, for a decode batch
@@ -66,6 +72,7 @@ class Forward:
         self.products = ops.products
         self.fused_rows = fused_rows
         self.fused_prefill_rows = fused_prefill_rows
+        self.short, self.short_rows = short, short_rows if short is not None else 0
         self._ropes = [Rope(state.cos, state.sin, lw.q_norm, lw.k_norm) for lw in weights.layers]
 
     # ---- products --------------------------------------------------------------------
@@ -230,6 +237,25 @@ class Forward:
             self._stage_state(li + 1, n, capture)
         self._stage_state(-1, n, capture)
 
+    def short_layers(self, n: int, positions: torch.Tensor, slots: torch.Tensor,
+                     attend: Attend, capture: bool) -> None:
+        """`layers` for a short bf16 prefill pass, no LoRA: each layer's products on
+        `ShortProducts`, with the norms, the SiLU gate and the residual sums inside them
+        (four product launches beside RoPE and attention)."""
+        s, sp = self.s, self.short
+        assert sp is not None
+        x, qkv, attn, act = s.x[:n], s.qkv[:n], s.attn[:n], s.act[:n]
+        for li, lw in enumerate(self.weights.layers):
+            sp.norm_product(x, lw.attn_norm, lw.qkv, lw.qkv_bias, qkv)
+            self.ops.rope_store(qkv, positions, slots, s.cos, s.sin, s.k_pool[li],
+                                s.v_pool[li], lw.q_norm, lw.k_norm)
+            attend(li, qkv, attn)
+            sp.accumulate(attn, lw.wo, x)
+            sp.norm_gate(x, lw.ffn_norm, lw.gate_up, act)
+            sp.accumulate(act, lw.down, x)
+            self._stage_state(li + 1, n, capture)
+        self._stage_state(-1, n, capture)
+
     def _stage_state(self, layer: int, n: int, capture: bool) -> None:
         """Stage residual rows 0..n-1 as the hidden states when `layer` is the hidden layer
         (-1: after the final norm, once every layer ran)."""
@@ -301,6 +327,9 @@ class Forward:
 
         self.embed(layout.ids, n, capture)
         self.override(overrides, capture)
-        self.layers(n, layout.positions, layout.slots, attend, capture,
-                    self.fuses(n, is_decode=False), lora)
+        if not lora and self.fused_prefill_rows < n <= self.short_rows:
+            self.short_layers(n, layout.positions, layout.slots, attend, capture)
+        else:
+            self.layers(n, layout.positions, layout.slots, attend, capture,
+                        self.fuses(n, is_decode=False), lora)
         s.x_last.index_copy_(0, layout.dest, s.x[:n].index_select(0, layout.last))

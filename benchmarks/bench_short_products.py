@@ -1,0 +1,170 @@
+"""The short prefill pass's products on a CUDA GPU: each of a decoder layer's four products
+with what surrounds it, cuBLAS and small kernels against `short_kernel` in a sweep of
+tilings (torch_triton_short.py), at a model shape's layer sizes.
+
+Each variant is captured in a CUDA graph over every layer's own weights (so no weight is
+read from L2 twice, as in a real pass) and replayed; the figure is microseconds a layer,
+the median of --reps replays. What each side runs:
+
+  q/k/v    cuBLAS: RMSNorm kernel + addmm with the bias   short: one launch
+  o        cuBLAS: addmm onto the float32 residual        short: one launch
+  gate/up  cuBLAS: RMSNorm + mm + SiLU-gate kernel        short: one launch
+  down     cuBLAS: addmm onto the residual (its split-K)  short: one launch
+
+With --write FILE the fastest tiling of each product goes to FILE (JSON), which
+`bench_prefix_cache.py --short-tilings FILE` hands to the engine.
+
+Usage: python benchmarks/bench_short_products.py [--shape qwen2.5-7b] [--rows 50]
+                                                 [--write tilings.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llm_runner_svc.engines.torch_triton import TritonOps  # noqa: E402
+from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE  # noqa: E402
+from llm_runner_svc.engines.torch_triton_short import (  # noqa: E402
+    MAX_ROWS,
+    ShortProducts,
+    Tiling,
+    default_tiling,
+)
+from llm_runner_svc.engines.torch_weights import named_shape, random_weights  # noqa: E402
+
+Body = Callable[[int], None]  # runs one layer's product
+
+
+def _graph_us(body: Body, layers: int, reps: int) -> float:
+    """Microseconds a layer: `body` for every layer, captured once, replayed `reps` times."""
+    for li in range(layers):  # compile and warm up
+        body(li)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for li in range(layers):
+            body(li)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / layers)
+    return statistics.median(times)
+
+
+def _candidates(mode: int, k: int) -> list[Tiling]:
+    if mode == SILU_GATE:
+        return [Tiling(bn, bk, 1, w, st) for bn in (32, 64, 128)
+                for bk, st in ((128, 4), (64, 6), (128, 3)) for w in ((4, 8) if bn == 128
+                                                                       else (4,))]
+    splits = (2, 4, 8) if k > 8192 else (1, 2, 4)
+    return [Tiling(bn, bk, sp, 4, st) for bn in (32, 64, 128) for sp in splits
+            for bk, st in ((128, 4), (64, 6))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="qwen2.5-7b")
+    ap.add_argument("--rows", type=int, default=50)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--write", type=Path, default=None, help="the fastest tilings (JSON)")
+    args = ap.parse_args()
+    assert args.rows <= MAX_ROWS
+    dev = torch.device("cuda")
+    c = named_shape(args.shape)
+    w = random_weights(c, dev, torch.bfloat16)
+    layers = w.layers
+    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    ops = TritonOps(c, 16, num_sms, has_fused_products=False)
+    m = args.rows
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(m, c.hidden_size, device=dev, generator=gen)
+    h = torch.empty(m, c.hidden_size, device=dev, dtype=torch.bfloat16)
+    qkv = torch.empty(m, c.q_dim + 2 * c.kv_dim, device=dev, dtype=torch.bfloat16)
+    attn = torch.randn(m, c.q_dim, device=dev, generator=gen).to(torch.bfloat16)
+    gu = torch.empty(m, 2 * c.intermediate_size, device=dev, dtype=torch.bfloat16)
+    act = torch.randn(m, c.intermediate_size, device=dev, generator=gen).to(torch.bfloat16)
+    f32 = torch.float32
+
+    def cublas_qkv(li: int) -> None:
+        lw = layers[li]
+        ops.rms_norm(x, lw.attn_norm, h)
+        if lw.qkv_bias is not None:
+            torch.addmm(lw.qkv_bias, h, lw.qkv.t(), out=qkv)
+        else:
+            torch.mm(h, lw.qkv.t(), out=qkv)
+
+    def cublas_gate(li: int) -> None:
+        ops.rms_norm(x, layers[li].ffn_norm, h)
+        torch.mm(h, layers[li].gate_up.t(), out=gu)
+        ops.silu_mul(gu, act)
+
+    def cublas_o(li: int) -> None:
+        torch.addmm(x, attn, layers[li].wo.t(), out_dtype=f32, out=x)
+
+    def cublas_down(li: int) -> None:
+        torch.addmm(x, act, layers[li].down.t(), out_dtype=f32, out=x)
+
+    cublas: dict[str, Body] = {"q/k/v": cublas_qkv, "o": cublas_o, "gate/up": cublas_gate,
+                               "down": cublas_down}
+    shapes = {"q/k/v": (c.q_dim + 2 * c.kv_dim, c.hidden_size, STORE),
+              "o": (c.hidden_size, c.q_dim, ACCUMULATE),
+              "gate/up": (c.intermediate_size, c.hidden_size, SILU_GATE),
+              "down": (c.hidden_size, c.intermediate_size, ACCUMULATE)}
+
+    def short_body(name: str, sp: ShortProducts) -> Body:
+        if name == "q/k/v":
+            return lambda li: sp.norm_product(x, layers[li].attn_norm, layers[li].qkv,
+                                              layers[li].qkv_bias, qkv)
+        if name == "o":
+            return lambda li: sp.accumulate(attn, layers[li].wo, x)
+        if name == "gate/up":
+            return lambda li: sp.norm_gate(x, layers[li].ffn_norm, layers[li].gate_up, act)
+        return lambda li: sp.accumulate(act, layers[li].down, x)
+
+    print(f"{args.shape}, {m} rows, {len(layers)} layers, "
+          f"{torch.cuda.get_device_name(dev)}, {num_sms} SMs; us a layer (median of "
+          f"{args.reps} graph replays)\n")
+    print("| product | cuBLAS (+ its small kernels) | short, default tiling | short, best | "
+          "best tiling (bn, bk, split, warps, stages) | best vs cuBLAS |\n|---|---:|---:|"
+          "---:|---|---:|")
+    best: dict[str, tuple[float, Tiling]] = {}
+    for name, shape in shapes.items():
+        base = _graph_us(cublas[name], len(layers), args.reps)
+        n, k, mode = shape
+        results: list[tuple[float, Tiling]] = []
+        for t in [default_tiling(n, k, mode, num_sms), *_candidates(mode, k)]:
+            sp = ShortProducts(c.rms_eps, num_sms, {shape: t})
+            sp.reserve([shape], dev)
+            try:
+                us = _graph_us(short_body(name, sp), len(layers), args.reps)
+            except Exception as exc:  # noqa: BLE001 (a tiling the GPU cannot hold)
+                print(f"  {name} {tuple(t)}: {type(exc).__name__}: {str(exc)[:80]}",
+                      file=sys.stderr)
+                continue
+            results.append((us, t))
+        default_us = results[0][0] if results else float("nan")
+        us, t = min(results)
+        best[name] = (us, t)
+        print(f"| {name} | {base:.1f} | {default_us:.1f} | {us:.1f} | {tuple(t)} | "
+              f"{us / base:.2f}x |", flush=True)
+    if args.write is not None:
+        rows = [[*shapes[name], *t] for name, (_, t) in best.items()]
+        args.write.write_text(json.dumps({"shape": args.shape, "tilings": rows}))
+        print(f"\nwrote {args.write}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Products of a short bf16 prefill pass, with the layer's small steps folded into them
+(imported only on CUDA).
+
+A pass of a few dozen tokens (a reusing request's new turn after its cached prompt) reads
+every weight once and does little else: each product is the weights' bytes over the memory
+bandwidth plus its launch's ramp and tail. On cuBLAS a decoder layer takes eleven launches,
+four of them products and the rest small: two RMSNorms, the SiLU gate, the split-K
+reduction of down, besides RoPE and attention. `short_kernel` does one product with those
+steps inside it, so the layer's products are four launches and no small kernel sits
+between them:
+
+- q/k/v and gate/up take the float32 residual rows and RMSNorm them as they load: each
+  activation tile is scaled by the norm weight and rounded to bf16 for the tensor cores,
+  its squares summed on the way, and the product scaled by each row's inverse RMS at the
+  end (the norm is linear in the row, so the scale can wait until the row is summed);
+- gate/up computes both halves of its columns and writes `silu(gate) * up`;
+- o and down add their product onto the residual (float32).
+
+A narrow matrix (q/k/v, o, down of a 7B model: 3,584 to 4,608 columns) has too few column
+tiles for every multiprocessor, so its K range is split over SPLIT_K programs a tile; each
+leaves its float32 partial (and its rows' partial sums of squares) in the partials, counts
+itself in, and the last of a tile's programs sums them in split order (the same sum every
+run) and finishes the tile. The counts are zero again after every launch, so a CUDA graph
+can hold the launches. What tiling each product takes is measured per shape
+(`benchmarks/bench_short_products.py`); `Tiling` names one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE
+from llm_runner_svc.engines.torch_triton_products import _finish
+
+_SILU_GATE = tl.constexpr(SILU_GATE)
+MAX_ROWS = 64  # the most rows a short product takes (one row tile)
+MAX_SPLIT = 16
+
+
+@triton.jit
+def short_kernel(a_ptr, a_stride, w_ptr, bias_ptr, norm_ptr, out_ptr, out_stride, part_ptr,
+                 ss_ptr, count_ptr, M, N, K, k_per_split, eps, HAS_NORM: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, MODE: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Grid (cdiv(N, BN), SPLIT_K): program (t, s) multiplies rows 0..M-1 of a [M, K] by
+    weight rows t BN .. t BN + BN - 1 of w [N, K] (for SILU_GATE w has 2 N rows, gate then
+    up) over K positions s k_per_split .. (a multiple of BK). HAS_NORM: a is the float32
+    residual, RMSNormed by `norm` on the way (see the module docstring). MODE: STORE,
+    ACCUMULATE or SILU_GATE (which takes SPLIT_K 1). With SPLIT_K > 1: `part` [SPLIT_K, BM,
+    N] and `ss` [SPLIT_K, tiles, BM] float32, `count` [tiles] int32, zero between launches."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    rm = tl.arange(0, BM)
+    rn = tile * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    mmask = rm < M
+    nmask = rn < N
+    a_rows = a_ptr + rm[:, None].to(tl.int64) * a_stride
+    w_cols = w_ptr + rn[None, :].to(tl.int64) * K  # w read as [BK, BN] tiles
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BM, BN], tl.float32)
+    acc_up = tl.zeros([BM, BN], tl.float32)
+    ss = tl.zeros([BM], tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        kk = k0 + rk
+        kmask = kk < k_hi
+        a = tl.load(a_rows + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        if HAS_NORM:
+            a = a.to(tl.float32)
+            ss += tl.sum(a * a, axis=1)
+            a = a * tl.load(norm_ptr + kk, mask=kmask, other=0.0)[None, :]
+        a = a.to(w_ptr.dtype.element_ty)
+        wmask = kmask[:, None] & nmask[None, :]
+        acc = tl.dot(a, tl.load(w_cols + kk[:, None], mask=wmask, other=0.0), acc)
+        if MODE == _SILU_GATE:
+            acc_up = tl.dot(a, tl.load(w_cols + N * K + kk[:, None], mask=wmask, other=0.0),
+                            acc_up)
+    if SPLIT_K == 1:
+        if HAS_NORM:
+            inv = tl.rsqrt(ss / K + eps)[:, None]
+            acc = acc * inv
+            acc_up = acc_up * inv
+        _finish(acc, acc_up, rm, rn, mmask, nmask, bias_ptr, out_ptr, out_stride, HAS_BIAS,
+                MODE)
+    else:
+        tiles = tl.num_programs(0)
+        p_off = rm[:, None] * N + rn[None, :]
+        tl.store(part_ptr + split * BM * N + p_off, acc, mask=nmask[None, :])
+        if HAS_NORM:
+            tl.store(ss_ptr + (split * tiles + tile) * BM + rm, ss)
+        tl.debug_barrier()  # every thread's partial is written before the count
+        counter = count_ptr + tile
+        if tl.atomic_add(counter, 1) == SPLIT_K - 1:
+            tl.debug_barrier()
+            total = tl.zeros([BM, BN], tl.float32)
+            ss_all = tl.zeros([BM], tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(part_ptr + s * BM * N + p_off, mask=nmask[None, :],
+                                 other=0.0, cache_modifier=".cg")
+                if HAS_NORM:
+                    ss_all += tl.load(ss_ptr + (s * tiles + tile) * BM + rm,
+                                      cache_modifier=".cg")
+            if HAS_NORM:
+                total = total * tl.rsqrt(ss_all / K + eps)[:, None]
+            _finish(total, total, rm, rn, mmask, nmask, bias_ptr, out_ptr, out_stride,
+                    HAS_BIAS, MODE)
+            tl.atomic_xchg(counter, 0)
+
+
+class Tiling(NamedTuple):
+    bn: int  # weight rows (output columns) a program
+    bk: int  # K positions a step
+    split_k: int  # programs sharing a tile's K range
+    warps: int
+    stages: int
+
+
+Shape = tuple[int, int, int]  # (output columns n, k, mode)
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def default_tiling(n: int, k: int, mode: int, num_sms: int) -> Tiling:
+    """64 output columns a program, 128 positions a step, and the K range split (but for
+    the SiLU gate) until there are two programs a multiprocessor, each keeping at least
+    four steps; 4 warps, 4 stages. Measured tilings (`ShortProducts(tilings=...)`) replace
+    it per shape."""
+    tiles = -(-n // 64)
+    split = 1 if mode == SILU_GATE else min(
+        MAX_SPLIT, _pow2_floor(2 * num_sms // tiles), _pow2_floor(k // (4 * 128)))
+    return Tiling(64, 128, max(1, split), 4, 4)
+
+
+class ShortProducts:
+    """Launches of `short_kernel`, their partials claimed once (`reserve`) before any
+    capture. `tilings`: measured tilings by (n, k, mode), over `default_tiling`."""
+
+    def __init__(self, eps: float, num_sms: int,
+                 tilings: Mapping[Shape, Tiling] | None = None) -> None:
+        self.eps = eps
+        self.num_sms = num_sms
+        self.tilings = dict(tilings or {})
+        self._part: torch.Tensor | None = None
+        self._ss: torch.Tensor | None = None
+        self._count: torch.Tensor | None = None
+
+    def tiling(self, n: int, k: int, mode: int) -> Tiling:
+        t = self.tilings.get((n, k, mode)) or default_tiling(n, k, mode, self.num_sms)
+        if mode == SILU_GATE and t.split_k != 1:
+            raise ValueError(f"tiling {t} of a SiLU-gate product: split_k must be 1")
+        return t
+
+    def reserve(self, shapes: list[Shape], device: torch.device) -> int:
+        """Claim the partials of products of `shapes`, as tiled; returns their bytes."""
+        part = ss = count = 1
+        for n, k, mode in shapes:
+            t = self.tiling(n, k, mode)
+            tiles = -(-n // t.bn)
+            count = max(count, tiles)
+            if t.split_k > 1:
+                part = max(part, t.split_k * MAX_ROWS * n)
+                ss = max(ss, t.split_k * tiles * MAX_ROWS)
+        self._part = torch.empty(part, dtype=torch.float32, device=device)
+        self._ss = torch.empty(ss, dtype=torch.float32, device=device)
+        self._count = torch.zeros(count, dtype=torch.int32, device=device)
+        return int(self._part.nbytes + self._ss.nbytes + self._count.nbytes)
+
+    def _launch(self, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int, mode: int,
+                norm: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
+        m, k = a.shape
+        part, ss, count = self._part, self._ss, self._count
+        assert part is not None and ss is not None and count is not None, "reserve() first"
+        assert m <= MAX_ROWS, f"{m} rows: a short product takes at most {MAX_ROWS}"
+        t = self.tiling(n, k, mode)
+        tiles = -(-n // t.bn)
+        if t.split_k > 1:
+            assert t.split_k * MAX_ROWS * n <= part.numel() and tiles <= count.numel() and \
+                t.split_k * tiles * MAX_ROWS <= ss.numel(), f"({n}, {k}) was not reserved"
+        per_split = -(-k // (t.split_k * t.bk)) * t.bk
+        bm = max(16, 1 << (m - 1).bit_length())
+        short_kernel[(tiles, t.split_k)](
+            a, a.stride(0), w, bias if bias is not None else w, norm if norm is not None else a,
+            out, out.stride(0), part, ss, count, m, n, k, per_split, self.eps,
+            HAS_NORM=norm is not None, HAS_BIAS=bias is not None, MODE=mode,
+            BM=bm, BN=t.bn, BK=t.bk, SPLIT_K=t.split_k,
+            num_warps=t.warps, num_stages=t.stages)
+
+    def norm_product(self, x: torch.Tensor, norm: torch.Tensor, w: torch.Tensor,
+                     bias: torch.Tensor | None, out: torch.Tensor) -> None:
+        """out = rms_norm(x) * norm @ w.T (+ bias); x [m, k] float32."""
+        self._launch(x, w, out, w.shape[0], STORE, norm, bias)
+
+    def norm_gate(self, x: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor,
+                  out: torch.Tensor) -> None:
+        """out = silu(g) * u where [g | u] = rms_norm(x) * norm @ gate_up.T"""
+        self._launch(x, gate_up, out, gate_up.shape[0] // 2, SILU_GATE, norm)
+
+    def accumulate(self, a: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> None:
+        """x += a @ w.T; x float32."""
+        self._launch(a, w, x, w.shape[0], ACCUMULATE)
