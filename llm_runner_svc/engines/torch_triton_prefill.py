@@ -180,34 +180,11 @@ def _merge_splits(part_ptr, ml_ptr, part_rows, row0, mmask, d, dmask, out_ptrs, 
 
 @triton.jit
 def combine_kernel(part_ptr, ml_ptr, part_rows, out_ptr, out_stride, HD: tl.constexpr,
-                   HD_P: tl.constexpr, SPLITS: tl.constexpr):
-    """Grid (tokens, heads): one query's SPLITS partial sums into its output. A split that
-    saw no key left max -inf and denominator 0, so it weighs nothing; a padding token that
-    no block holds reads stale partials and writes what it likes to its own row."""
-    tok = tl.program_id(0)
-    head = tl.program_id(1)
-    num_heads = tl.num_programs(1)
-    s = tl.arange(0, SPLITS)
-    d = tl.arange(0, HD_P)
-    row = (s * part_rows + tok) * num_heads + head  # [SPLITS]
-    m_s = tl.load(ml_ptr + row * 2)
-    l_s = tl.load(ml_ptr + row * 2 + 1)
-    m_max = tl.max(m_s, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m_s - m_max)
-    l_sum = tl.sum(w * l_s, axis=0)
-    acc = tl.sum(w[:, None] * tl.load(part_ptr + row[:, None] * HD_P + d[None, :]), axis=0)
-    res = tl.where(l_sum > 0, acc / l_sum, 0.0)
-    tl.store(out_ptr + tok * out_stride + head * HD + d, res.to(out_ptr.dtype.element_ty),
-             mask=d < HD)
-
-
-@triton.jit
-def combine_block_kernel(part_ptr, ml_ptr, part_rows, out_ptr, out_stride, HD: tl.constexpr,
-                         HD_P: tl.constexpr, SPLITS: tl.constexpr, TOKENS: tl.constexpr):
-    """Grid (cdiv(tokens, TOKENS), heads): `combine_kernel` for TOKENS queries a program
-    (fewer, longer programs: bench_attention.py --after sweeps them; not measured yet in
-    the engine, which takes COMBINE_TOKENS)."""
+                   HD_P: tl.constexpr, SPLITS: tl.constexpr, TOKENS: tl.constexpr):
+    """Grid (cdiv(tokens, TOKENS), heads): the SPLITS partial sums of TOKENS queries of one
+    head into their outputs. A split that saw no key left max -inf and denominator 0, so it
+    weighs nothing; a padding token that no block holds reads stale partials and writes
+    what it likes to its own row."""
     toks = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -231,7 +208,10 @@ def combine_block_kernel(part_ptr, ml_ptr, part_rows, out_ptr, out_stride, HD: t
              res.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & (d < HD)[None, :])
 
 
-COMBINE_TOKENS = 1  # queries per combining program (combine_kernel)
+# Queries per combining program. Timed in a CUDA graph on an H100 (bench_attention.py
+# --after 2000, 50 queries, 7B shape, 8 splits), the split kernel and its combining launch
+# took 14.2 us a layer with 4, 14.3 with 8, 14.6 with 16 and 17.1 with one.
+COMBINE_TOKENS = 4
 
 Tiles = tuple[int, int, int]  # (BLOCK_N, num_warps, num_stages)
 
@@ -318,8 +298,7 @@ def launch_prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     a layer, both launches counted, against 23.5 us, because the last split merges the
     partials of a whole block alone, after the others have finished. `splits` overrides
     the choice of splits (at most what `partials` holds rows for); `combine_tokens`, the
-    queries each combining program merges (a power of two; default COMBINE_TOKENS; more
-    than one takes `combine_block_kernel`)."""
+    queries each combining program merges (a power of two; default COMBINE_TOKENS)."""
     is_f32 = (k_pool.dtype == torch.float32, qkv.dtype == torch.float32)
     mode = IEEE if is_f32[0] else SPLIT if is_f32[1] else BF16
     hd_p = max(16, 1 << (head_dim - 1).bit_length())
@@ -339,11 +318,6 @@ def launch_prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: to
         SPLITS=splits, SELF_COMBINE=self_combine, num_warps=warps, num_stages=stages)
     if splits > 1 and not self_combine:
         per = combine_tokens or COMBINE_TOKENS
-        if per == 1:
-            combine_kernel[(tokens, num_heads)](part, ml, tokens, out, out.stride(0),
-                                                HD=head_dim, HD_P=hd_p, SPLITS=splits,
-                                                num_warps=4)
-        else:
-            combine_block_kernel[(triton.cdiv(tokens, per), num_heads)](
-                part, ml, tokens, out, out.stride(0), HD=head_dim, HD_P=hd_p, SPLITS=splits,
-                TOKENS=per, num_warps=4)
+        combine_kernel[(triton.cdiv(tokens, per), num_heads)](
+            part, ml, tokens, out, out.stride(0), HD=head_dim, HD_P=hd_p, SPLITS=splits,
+            TOKENS=per, num_warps=4)

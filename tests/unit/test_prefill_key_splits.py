@@ -1,6 +1,6 @@
 """Prefill attention with each query block's keys split over several programs, on Triton's
 CPU interpreter (float32 operands, exact products): whether the last split of a block merges
-the splits itself or a second launch does (a query or 16 per program), the result is the
+the splits itself or a second launch does (1, 4 or 16 queries per program), the result is the
 float64 reference's, for chunks after long prefixes, a chunk whose keys fit one split, and
 padding blocks; the self-merging launch leaves its counts at zero for the next one."""
 
@@ -28,7 +28,7 @@ def _reference(qkv, k_pool, v_pool, tables, row, first, count, start, heads, kv_
 
 
 @pytest.mark.parametrize("self_combine, combine_tokens",
-                         [(True, None), (False, 1), (False, 16)])
+                         [(True, None), (False, 1), (False, 4), (False, 16)])
 def test_split_keys_merge_to_the_reference(self_combine, combine_tokens, request):
     if rerun_interpreted(request):
         return
