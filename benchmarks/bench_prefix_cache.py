@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import platform
 import pstats
@@ -277,10 +276,9 @@ def main() -> None:
                                      ("short_prefill_rows", args.short_prefill_rows))
                    if v is not None}
         if args.short_tilings:
-            from llm_runner_svc.engines.torch_triton_short import Tiling
+            from llm_runner_svc.engines.torch_triton_short import load_tilings
 
-            rows = json.loads(Path(args.short_tilings).read_text())["tilings"]
-            options["short_tilings"] = {tuple(r[:3]): Tiling(*r[3:]) for r in rows}
+            options["short_tilings"] = load_tilings(Path(args.short_tilings).read_text())
         model, engine = torch_model(args.shape, **options)
         where = f"{args.shape} (random bf16 weights) on the torch engine, CUDA {options}"
     else:

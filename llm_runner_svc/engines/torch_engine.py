@@ -51,9 +51,9 @@ FUSED_ROWS = 1  # batch 1; the fused kernel's few-row variants lose to cuBLAS
 FUSED_PREFILL_ROWS = 64
 FUSED_PREFILL_PARAMS = 1_000_000_000
 # Prefill passes of up to this many tokens on bf16 weights (and no float32 activations)
-# multiply on the short products, their norms, SiLU gate and residual sums inside them
-# (torch_triton_short.py); 0: on cuBLAS, with those steps as kernels of their own.
-SHORT_PREFILL_ROWS = 0
+# may multiply on the short products (torch_triton_short.py), each product that holds a
+# measured tiling; 0: every product on cuBLAS.
+SHORT_PREFILL_ROWS = 64
 # Prefill passes up to this many tokens run from CUDA graphs: below it an eager forward's
 # launches take longer on the host than its work on the GPU (7B shapes, H200).
 PREFILL_GRAPH_TOKENS = 512
@@ -120,10 +120,10 @@ class TorchEngine(TorchSteps):
         with such rows runs eagerly and unfused (torch_lora.py).
         `short_prefill_rows`: with triton kernels and bf16 weights, prefill passes of more
         than `fused_prefill_rows` and at most this many tokens (up to 64) multiply on the
-        short products (torch_triton_short.py), each layer's norms, SiLU gate and residual
-        sums inside its four product launches; 0: cuBLAS. `short_tilings`: their tilings
-        by (output columns, k, mode), as `bench_short_products.py --write` measures them
-        (default: `default_tiling`)."""
+        short products (torch_triton_short.py) those products that `short_tilings` holds a
+        tiling for ((output columns, k, mode, norm inside) -> Tiling, as
+        `bench_short_products.py --write` measures them; None: none), the rest on cuBLAS;
+        0: every product on cuBLAS."""
         self.config = config
         self.device = resolve_device(device)
         default = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -189,7 +189,7 @@ class TorchEngine(TorchSteps):
                        if self.device.type == "cuda" else 1)
             ops = TritonOps(c, plan.page_size, num_sms, has_fused, self.split_prefill_keys)
             self._bytes += ops.reserve(plan.max_decode_rows, plan.max_seq, self.device)
-        short = self._short_products(ops)
+        short = self._short_products()
         self.forward = Forward(c, self.weights, ops, self.state, plan.hidden_layer,
                                plan.page_size, has_f32, self.fused_rows,
                                self.fused_prefill_rows, self.lora, short,
@@ -216,21 +216,16 @@ class TorchEngine(TorchSteps):
         self._bytes += self.picks.nbytes
         self._last_sampled: tuple[bool, ...] = ()  # which rows of the last forward picked
 
-    def _short_products(self, ops: TorchOps) -> Any:
+    def _short_products(self) -> Any:
         """The short passes' products with their partials claimed (None: not used here)."""
-        if not (self.short_prefill_rows > self.fused_prefill_rows and self.kernels == "triton"
-                and self.dtype == torch.bfloat16 and self.device.type == "cuda"):
+        if not (self.short_prefill_rows > self.fused_prefill_rows and self.short_tilings
+                and self.kernels == "triton" and self.dtype == torch.bfloat16
+                and self.device.type == "cuda"):
             return None
-        from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE
         from llm_runner_svc.engines.torch_triton_short import ShortProducts
 
-        c = self.config
-        short = ShortProducts(c.rms_eps, getattr(ops, "num_sms", 1), self.short_tilings)
-        self._bytes += short.reserve([(c.q_dim + 2 * c.kv_dim, c.hidden_size, STORE),
-                                      (c.hidden_size, c.q_dim, ACCUMULATE),
-                                      (c.intermediate_size, c.hidden_size, SILU_GATE),
-                                      (c.hidden_size, c.intermediate_size, ACCUMULATE)],
-                                     self.device)
+        short = ShortProducts(self.config.rms_eps, self.short_tilings)
+        self._bytes += short.reserve(self.device)
         return short
 
     def close(self) -> None:

@@ -134,7 +134,8 @@ class Forward:
 
     def layers(self, n: int, positions: torch.Tensor, slots: torch.Tensor | None,
                attend: Attend, capture: bool, fused: Callable[[torch.Tensor, int], bool],
-               lora: TorchGroups = (), lora_slots: torch.Tensor | None = None) -> None:
+               lora: TorchGroups = (), lora_slots: torch.Tensor | None = None,
+               short: ShortProducts | None = None) -> None:
         """Every decoder layer over residual rows 0..n-1 at `positions` [n] whose k and v
         go to pool rows `slots` [n] int64; None: `attend` rotates q and k and stores k and
         v itself. A fused product takes and leaves float32 activations. LoRA products: by
@@ -144,7 +145,10 @@ class Forward:
         products, each row's LoRA term inside them: its rows shrunk first (for q/k/v and
         gate/up from the residual stream, normed by the shrink as the product norms it),
         the product adding the term before its epilogue (before the SiLU for gate/up).
-        Otherwise every product runs unfused, the LoRA terms added to its output."""
+        Otherwise every product runs unfused, the LoRA terms added to its output. `short`
+        (rows without LoRA): an unfused product takes the short products' kernel where
+        they hold a measured tiling for it (norm, SiLU gate or residual sum inside), else
+        cuBLAS with those steps as kernels of their own."""
         s, ops, products = self.s, self.ops, self.products
         adapters = self.lora if (lora or lora_slots is not None) else None
 
@@ -186,12 +190,16 @@ class Forward:
                                       term(li, "qkv", x, lw.attn_norm))
             else:
                 qkv = s.qkv[:n]
-                ops.rms_norm(x, lw.attn_norm, h)
-                shrink_beside(li, "qkv", h)
-                if lw.qkv_bias is not None:
-                    torch.addmm(lw.qkv_bias, h, lw.qkv.t(), out=qkv)
-                else:
-                    torch.mm(h, lw.qkv.t(), out=qkv)
+                if not (short and short.norm_product(x, lw.attn_norm, lw.qkv, lw.qkv_bias,
+                                                     qkv)):
+                    ops.rms_norm(x, lw.attn_norm, h)
+                    shrink_beside(li, "qkv", h)
+                    if short and short.product(h, lw.qkv, lw.qkv_bias, qkv):
+                        pass
+                    elif lw.qkv_bias is not None:
+                        torch.addmm(lw.qkv_bias, h, lw.qkv.t(), out=qkv)
+                    else:
+                        torch.mm(h, lw.qkv.t(), out=qkv)
                 if adapters is not None:
                     add_lora(li, "qkv", h, qkv, beside)
             if slots is not None:
@@ -203,7 +211,7 @@ class Forward:
             if o_fused:
                 assert products is not None
                 products.accumulate(attn, lw.wo, x, term(li, "o", attn))
-            else:
+            elif not (short and short.accumulate(attn, lw.wo, x)):
                 shrink_beside(li, "o", attn)
                 self._accumulate(x, attn, lw.wo)
                 if adapters is not None:
@@ -215,14 +223,17 @@ class Forward:
                 assert products is not None
                 products.norm_gate(x, lw.ffn_norm, lw.gate_up, act,
                                    term(li, "gate_up", x, lw.ffn_norm))
-            else:
+            elif not (short and short.norm_gate(x, lw.ffn_norm, lw.gate_up, act)):
                 ops.rms_norm(x, lw.ffn_norm, h)
                 shrink_beside(li, "gate_up", h)
-                torch.mm(h, lw.gate_up.t(), out=s.gate_up[:n])
-                if adapters is not None and lora_slots is not None and adapters.fuses_gate:
+                if short and short.gate(h, lw.gate_up, act):
+                    pass
+                elif adapters is not None and lora_slots is not None and adapters.fuses_gate:
+                    torch.mm(h, lw.gate_up.t(), out=s.gate_up[:n])
                     adapters.gate_rows(li, h, s.gate_up[:n], act, lora_slots, beside)
                     is_shrunk = True  # down's shrink ran with the SiLU gate
                 else:
+                    torch.mm(h, lw.gate_up.t(), out=s.gate_up[:n])
                     if adapters is not None:
                         add_lora(li, "gate_up", h, s.gate_up[:n])
                     ops.silu_mul(s.gate_up[:n], act)
@@ -230,29 +241,10 @@ class Forward:
                 assert products is not None
                 products.accumulate(act, lw.down, x, term(li, "down", act,
                                                           is_shrunk=is_shrunk))
-            else:
+            elif not (short and short.accumulate(act, lw.down, x)):
                 self._accumulate(x, act, lw.down)
                 if adapters is not None:
                     add_lora(li, "down", act, x, is_shrunk)
-            self._stage_state(li + 1, n, capture)
-        self._stage_state(-1, n, capture)
-
-    def short_layers(self, n: int, positions: torch.Tensor, slots: torch.Tensor,
-                     attend: Attend, capture: bool) -> None:
-        """`layers` for a short bf16 prefill pass, no LoRA: each layer's products on
-        `ShortProducts`, with the norms, the SiLU gate and the residual sums inside them
-        (four product launches beside RoPE and attention)."""
-        s, sp = self.s, self.short
-        assert sp is not None
-        x, qkv, attn, act = s.x[:n], s.qkv[:n], s.attn[:n], s.act[:n]
-        for li, lw in enumerate(self.weights.layers):
-            sp.norm_product(x, lw.attn_norm, lw.qkv, lw.qkv_bias, qkv)
-            self.ops.rope_store(qkv, positions, slots, s.cos, s.sin, s.k_pool[li],
-                                s.v_pool[li], lw.q_norm, lw.k_norm)
-            attend(li, qkv, attn)
-            sp.accumulate(attn, lw.wo, x)
-            sp.norm_gate(x, lw.ffn_norm, lw.gate_up, act)
-            sp.accumulate(act, lw.down, x)
             self._stage_state(li + 1, n, capture)
         self._stage_state(-1, n, capture)
 
@@ -327,9 +319,7 @@ class Forward:
 
         self.embed(layout.ids, n, capture)
         self.override(overrides, capture)
-        if not lora and self.fused_prefill_rows < n <= self.short_rows:
-            self.short_layers(n, layout.positions, layout.slots, attend, capture)
-        else:
-            self.layers(n, layout.positions, layout.slots, attend, capture,
-                        self.fuses(n, is_decode=False), lora)
+        short = self.short if not lora and n <= self.short_rows else None
+        self.layers(n, layout.positions, layout.slots, attend, capture,
+                    self.fuses(n, is_decode=False), lora, short=short)
         s.x_last.index_copy_(0, layout.dest, s.x[:n].index_select(0, layout.last))

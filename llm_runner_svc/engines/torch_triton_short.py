@@ -5,28 +5,34 @@ A pass of a few dozen tokens (a reusing request's new turn after its cached prom
 every weight once and does little else: each product is the weights' bytes over the memory
 bandwidth plus its launch's ramp and tail. On cuBLAS a decoder layer takes eleven launches,
 four of them products and the rest small: two RMSNorms, the SiLU gate, the split-K
-reduction of down, besides RoPE and attention. `short_kernel` does one product with those
-steps inside it, so the layer's products are four launches and no small kernel sits
-between them:
+reduction of down, besides RoPE and attention. `short_kernel` does one product with some of
+those steps inside it:
 
-- q/k/v and gate/up take the float32 residual rows and RMSNorm them as they load: each
-  activation tile is scaled by the norm weight and rounded to bf16 for the tensor cores,
-  its squares summed on the way, and the product scaled by each row's inverse RMS at the
-  end (the norm is linear in the row, so the scale can wait until the row is summed);
-- gate/up computes both halves of its columns and writes `silu(gate) * up`;
-- o and down add their product onto the residual (float32).
+- the RMSNorm of float32 residual rows as they load (each activation tile scaled by the norm
+  weight and rounded to bf16 for the tensor cores, its squares summed on the way, the
+  product scaled by each row's inverse RMS at the end: the norm is linear in the row), or
+  rows some other launch normed;
+- the SiLU gate (both halves of its columns, writing `silu(gate) * up`), the bias, or the
+  sum onto the float32 residual.
 
 A narrow matrix (q/k/v, o, down of a 7B model: 3,584 to 4,608 columns) has too few column
-tiles for every multiprocessor, so its K range is split over SPLIT_K programs a tile; each
-leaves its float32 partial (and its rows' partial sums of squares) in the partials, counts
-itself in, and the last of a tile's programs sums them in split order (the same sum every
-run) and finishes the tile. The counts are zero again after every launch, so a CUDA graph
-can hold the launches. What tiling each product takes is measured per shape
-(`benchmarks/bench_short_products.py`); `Tiling` names one.
+tiles for every multiprocessor, so its K range may be split over SPLIT_K programs a tile;
+each leaves its float32 partial (and its rows' partial sums of squares) in the partials,
+counts itself in, and the last of a tile's programs sums them in split order (the same sum
+every run) and finishes the tile. The counts are zero again after every launch, so a CUDA
+graph can hold the launches.
+
+Whether a product takes this kernel, and with which tiling, is measured per shape
+(`benchmarks/bench_short_products.py`, each side in a CUDA graph over every layer's
+weights): a product runs here only where a measured tiling beat cuBLAS with its small
+kernels. (On an H100 at the 7B shape, the norm inside the product made q/k/v 2.2x and
+gate/up 1.5x slower than cuBLAS: every program reads the float32 rows, twice the bytes of
+bf16 ones, beside its weights.)
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -39,7 +45,6 @@ from llm_runner_svc.engines.torch_triton_products import _finish
 
 _SILU_GATE = tl.constexpr(SILU_GATE)
 MAX_ROWS = 64  # the most rows a short product takes (one row tile)
-MAX_SPLIT = 16
 
 
 @triton.jit
@@ -121,48 +126,32 @@ class Tiling(NamedTuple):
     stages: int
 
 
-Shape = tuple[int, int, int]  # (output columns n, k, mode)
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
-
-
-def default_tiling(n: int, k: int, mode: int, num_sms: int) -> Tiling:
-    """64 output columns a program, 128 positions a step, and the K range split (but for
-    the SiLU gate) until there are two programs a multiprocessor, each keeping at least
-    four steps; 4 warps, 4 stages. Measured tilings (`ShortProducts(tilings=...)`) replace
-    it per shape."""
-    tiles = -(-n // 64)
-    split = 1 if mode == SILU_GATE else min(
-        MAX_SPLIT, _pow2_floor(2 * num_sms // tiles), _pow2_floor(k // (4 * 128)))
-    return Tiling(64, 128, max(1, split), 4, 4)
+# A product: (output columns n, k, mode, whether the RMSNorm runs inside it)
+Shape = tuple[int, int, int, bool]
 
 
 class ShortProducts:
-    """Launches of `short_kernel`, their partials claimed once (`reserve`) before any
-    capture. `tilings`: measured tilings by (n, k, mode), over `default_tiling`."""
+    """Launches of `short_kernel` for the products it holds a tiling for (`tilings`, as
+    measured: bench_short_products.py writes the fastest of each shape where it beats
+    cuBLAS), their partials claimed once (`reserve`) before any capture. Each call returns
+    False, launching nothing, for a product without a tiling: the caller multiplies it on
+    cuBLAS."""
 
-    def __init__(self, eps: float, num_sms: int,
-                 tilings: Mapping[Shape, Tiling] | None = None) -> None:
+    def __init__(self, eps: float, tilings: Mapping[Shape, Tiling]) -> None:
         self.eps = eps
-        self.num_sms = num_sms
-        self.tilings = dict(tilings or {})
+        self.tilings = dict(tilings)
+        for (n, k, mode, _), t in self.tilings.items():
+            if mode == SILU_GATE and t.split_k != 1:
+                raise ValueError(f"tiling {tuple(t)} of the SiLU-gate product ({n}, {k}): "
+                                 "split_k must be 1")
         self._part: torch.Tensor | None = None
         self._ss: torch.Tensor | None = None
         self._count: torch.Tensor | None = None
 
-    def tiling(self, n: int, k: int, mode: int) -> Tiling:
-        t = self.tilings.get((n, k, mode)) or default_tiling(n, k, mode, self.num_sms)
-        if mode == SILU_GATE and t.split_k != 1:
-            raise ValueError(f"tiling {t} of a SiLU-gate product: split_k must be 1")
-        return t
-
-    def reserve(self, shapes: list[Shape], device: torch.device) -> int:
-        """Claim the partials of products of `shapes`, as tiled; returns their bytes."""
+    def reserve(self, device: torch.device) -> int:
+        """Claim the partials of every tiled product; returns their bytes."""
         part = ss = count = 1
-        for n, k, mode in shapes:
-            t = self.tiling(n, k, mode)
+        for (n, _, _, _), t in self.tilings.items():
             tiles = -(-n // t.bn)
             count = max(count, tiles)
             if t.split_k > 1:
@@ -174,35 +163,48 @@ class ShortProducts:
         return int(self._part.nbytes + self._ss.nbytes + self._count.nbytes)
 
     def _launch(self, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int, mode: int,
-                norm: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
+                norm: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> bool:
         m, k = a.shape
+        t = self.tilings.get((n, k, mode, norm is not None))
+        if t is None or m > MAX_ROWS:
+            return False
         part, ss, count = self._part, self._ss, self._count
         assert part is not None and ss is not None and count is not None, "reserve() first"
-        assert m <= MAX_ROWS, f"{m} rows: a short product takes at most {MAX_ROWS}"
-        t = self.tiling(n, k, mode)
-        tiles = -(-n // t.bn)
-        if t.split_k > 1:
-            assert t.split_k * MAX_ROWS * n <= part.numel() and tiles <= count.numel() and \
-                t.split_k * tiles * MAX_ROWS <= ss.numel(), f"({n}, {k}) was not reserved"
         per_split = -(-k // (t.split_k * t.bk)) * t.bk
-        bm = max(16, 1 << (m - 1).bit_length())
-        short_kernel[(tiles, t.split_k)](
+        short_kernel[(-(-n // t.bn), t.split_k)](
             a, a.stride(0), w, bias if bias is not None else w, norm if norm is not None else a,
             out, out.stride(0), part, ss, count, m, n, k, per_split, self.eps,
             HAS_NORM=norm is not None, HAS_BIAS=bias is not None, MODE=mode,
-            BM=bm, BN=t.bn, BK=t.bk, SPLIT_K=t.split_k,
+            BM=max(16, 1 << (m - 1).bit_length()), BN=t.bn, BK=t.bk, SPLIT_K=t.split_k,
             num_warps=t.warps, num_stages=t.stages)
+        return True
 
     def norm_product(self, x: torch.Tensor, norm: torch.Tensor, w: torch.Tensor,
-                     bias: torch.Tensor | None, out: torch.Tensor) -> None:
+                     bias: torch.Tensor | None, out: torch.Tensor) -> bool:
         """out = rms_norm(x) * norm @ w.T (+ bias); x [m, k] float32."""
-        self._launch(x, w, out, w.shape[0], STORE, norm, bias)
+        return self._launch(x, w, out, w.shape[0], STORE, norm, bias)
+
+    def product(self, h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                out: torch.Tensor) -> bool:
+        """out = h @ w.T (+ bias)"""
+        return self._launch(h, w, out, w.shape[0], STORE, bias=bias)
 
     def norm_gate(self, x: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor,
-                  out: torch.Tensor) -> None:
+                  out: torch.Tensor) -> bool:
         """out = silu(g) * u where [g | u] = rms_norm(x) * norm @ gate_up.T"""
-        self._launch(x, gate_up, out, gate_up.shape[0] // 2, SILU_GATE, norm)
+        return self._launch(x, gate_up, out, gate_up.shape[0] // 2, SILU_GATE, norm)
 
-    def accumulate(self, a: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> None:
+    def gate(self, h: torch.Tensor, gate_up: torch.Tensor, out: torch.Tensor) -> bool:
+        """out = silu(g) * u where [g | u] = h @ gate_up.T"""
+        return self._launch(h, gate_up, out, gate_up.shape[0] // 2, SILU_GATE)
+
+    def accumulate(self, a: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> bool:
         """x += a @ w.T; x float32."""
-        self._launch(a, w, x, w.shape[0], ACCUMULATE)
+        return self._launch(a, w, x, w.shape[0], ACCUMULATE)
+
+
+def load_tilings(text: str) -> dict[Shape, Tiling]:
+    """Tilings as `bench_short_products.py --write` leaves them (JSON)."""
+    rows = json.loads(text)["tilings"]
+    return {(int(r[0]), int(r[1]), int(r[2]), bool(r[3])): Tiling(*map(int, r[4:]))
+            for r in rows}

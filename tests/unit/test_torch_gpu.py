@@ -375,26 +375,26 @@ def test_fast_prefill_against_the_precise_path(arch, stories, tmp_path):
             _clear_leads_agree(logits, want_logits, 0.5)
 
 
-@pytest.mark.parametrize("split", [1, 2])
-def test_short_products_against_the_precise_path(stories, split, monkeypatch):
+@pytest.mark.parametrize("split, norm_inside", [(1, True), (2, True), (2, False)])
+def test_short_products_against_the_precise_path(stories, split, norm_inside, monkeypatch):
     """Prefill passes of up to 64 tokens on the short products (torch_triton_short.py:
-    norms, SiLU gate and residual sums inside the products; split K ranges summed by the
-    last program), chunks of 50 and of 7 after earlier ones: states within bf16 rounding
-    of the float32-activation path (BF16_CUBLAS_REL) and of the same passes on cuBLAS, the
-    same argmax wherever its lead is clear of it."""
+    the norms inside q/k/v and gate/up or before them, the SiLU gate and the residual sums
+    inside; split K ranges summed by the last program), chunks of 50 and of 7 after earlier
+    ones: states within bf16 rounding of the float32-activation path (BF16_CUBLAS_REL) and
+    of the same passes on cuBLAS, the same argmax wherever its lead is clear of it."""
     from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE
     from llm_runner_svc.engines.torch_triton_short import ShortProducts, Tiling
 
     c = stories.config
-    shapes = [(c.q_dim + 2 * c.kv_dim, c.hidden_size, STORE),
-              (c.hidden_size, c.q_dim, ACCUMULATE),
-              (c.intermediate_size, c.hidden_size, SILU_GATE),
-              (c.hidden_size, c.intermediate_size, ACCUMULATE)]
+    shapes = [(c.q_dim + 2 * c.kv_dim, c.hidden_size, STORE, norm_inside),
+              (c.hidden_size, c.q_dim, ACCUMULATE, False),
+              (c.intermediate_size, c.hidden_size, SILU_GATE, norm_inside),
+              (c.hidden_size, c.intermediate_size, ACCUMULATE, False)]
     tilings = {sh: Tiling(16, 32, 1 if sh[2] == SILU_GATE else split, 4, 3) for sh in shapes}
     launches = []
     launch = ShortProducts._launch
-    monkeypatch.setattr(ShortProducts, "_launch",
-                        lambda self, *a, **k: launches.append(1) or launch(self, *a, **k))
+    monkeypatch.setattr(ShortProducts, "_launch", lambda self, *a, **k: launches.append(
+        launch(self, *a, **k)) or launches[-1])
     gen = np.random.default_rng(2)
     prompt = [int(t) for t in gen.integers(3, c.vocab_size, 300)]
     want_logits, want = _prefill_states(stories, prompt, chunk=300, rows=300)
@@ -402,11 +402,12 @@ def test_short_products_against_the_precise_path(stories, split, monkeypatch):
         launches.clear()
         logits, got = _prefill_states(stories, prompt, chunk=chunk, rows=0,
                                       short_prefill_rows=64, short_tilings=tilings)
-        assert len(launches) >= 4 * c.num_layers * (300 // chunk)
+        assert sum(launches) == 4 * c.num_layers * -(-300 // chunk)  # every product
         cublas_logits, cublas = _prefill_states(stories, prompt, chunk=chunk, rows=0)
         spread, apart = _spread(got, want), _spread(got, cublas)
-        print(f"short products (split {split}) in chunks of {chunk}: states {_fmt(spread)} "
-              f"from the precise path, {_fmt(apart)} from cuBLAS")
+        print(f"short products (split {split}, norm inside {norm_inside}) in chunks of "
+              f"{chunk}: states {_fmt(spread)} from the precise path, {_fmt(apart)} from "
+              "cuBLAS")
         assert spread[2] < BF16_CUBLAS_REL
         assert apart[2] < BF16_CUBLAS_REL
         _clear_leads_agree(logits, want_logits, 0.5)
