@@ -155,11 +155,16 @@ def main() -> None:
     print(f"{args.shape}, {m} rows, {len(layers)} layers, "
           f"{torch.cuda.get_device_name(dev)}, {num_sms} SMs; us a layer (median of "
           f"{args.reps} graph replays)\n")
-    print("| product | norm | cuBLAS (+ its small kernels) | short, best | best tiling (bn, bk, "
-          "split, warps, stages) | vs cuBLAS |\n|---|---|---:|---:|---|---:|")
+    print("| product | norm | cuBLAS (+ its small kernels) | the same on cuBLASLt | short, best | "
+          "best tiling (bn, bk, split, warps, stages) | vs cuBLAS |\n"
+          "|---|---|---:|---:|---:|---|---:|")
     chosen: dict[Shape, Tiling] = {}
     for name, (n, k, mode) in products.items():
         base = _graph_us(cublas[name], len(layers), args.reps)
+        blas = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        base_lt = _graph_us(cublas[name], len(layers), args.reps)
+        torch.backends.cuda.preferred_blas_library(blas)
         insides = (False, True) if args.norm_inside and name in ("q/k/v", "gate/up") else (
             False,)
         best: tuple[float, Shape, Tiling] | None = None
@@ -179,7 +184,7 @@ def main() -> None:
             us, t = min(results)
             where = "inside" if inside else ("kernel before" if name in ("q/k/v", "gate/up")
                                              else "-")
-            print(f"| {name} | {where} | {base:.1f} | {us:.1f} | {tuple(t)} | "
+            print(f"| {name} | {where} | {base:.1f} | {base_lt:.1f} | {us:.1f} | {tuple(t)} | "
                   f"{us / base:.2f}x |", flush=True)
             if best is None or us < best[0]:
                 best = (us, shape, t)

@@ -76,6 +76,13 @@ def _token(row: Row, i: int) -> int:
     return -1 - row.from_pick if row.from_pick is not None else row.tokens[i]
 
 
+def _tokens(row: Row) -> list[int]:
+    """Every token of `row`, as `_token` gives them."""
+    if row.from_pick is not None:
+        return [-1 - row.from_pick] * row.length
+    return list(row.tokens)
+
+
 
 class TorchSteps(Engine):
     """Set up by `TorchEngine.preallocate`."""
@@ -287,7 +294,7 @@ class TorchSteps(Engine):
         unless they hold more than the runtime's step budget); each row's last residual
         goes to its batch row of `x_last`, for the head."""
         plan, s, stager = self._need_plan(), self.state, self.prefill_stager
-        tokens = [[_token(r, i) for i in range(r.length)] for r in rows]
+        tokens = [_tokens(r) for r in rows]
         capture = plan.hidden_layer is not None and any(r.capture_hidden for r in rows)
         caps = CapturedStates(rows)
         for p in split_passes(Batch(rows), tokens, stager.max_tokens, stager.max_tokens):
