@@ -276,7 +276,7 @@ def main() -> None:
                                      ("short_prefill_rows", args.short_prefill_rows))
                    if v is not None}
         if args.short_tilings:
-            from llm_runner_svc.engines.torch_triton_short import load_tilings
+            from llm_runner_svc.engines.torch_triton_modes import load_tilings
 
             options["short_tilings"] = load_tilings(Path(args.short_tilings).read_text())
         model, engine = torch_model(args.shape, **options)

@@ -33,13 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llm_runner_svc.engines.torch_triton import TritonOps  # noqa: E402
-from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE  # noqa: E402
-from llm_runner_svc.engines.torch_triton_short import (  # noqa: E402
-    MAX_ROWS,
-    Shape,
-    ShortProducts,
-    Tiling,
-)
+from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE, Shape, Tiling  # noqa: E402  # noqa: E402
+from llm_runner_svc.engines.torch_triton_short import MAX_ROWS, ShortProducts  # noqa: E402
 from llm_runner_svc.engines.torch_weights import named_shape, random_weights  # noqa: E402
 
 Body = Callable[[int], None]  # runs one layer's product

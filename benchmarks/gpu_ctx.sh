@@ -2,16 +2,17 @@
 # Prefix reuse on one GPU in one call (several minutes on an H200): install the carried
 # wheels (.whl/), run the GPU tests of the split prefill attention and the short products,
 # sweep the short products' tilings against cuBLAS at the 7B layer shapes
-# (bench_short_products.py, the fastest written to $OUT/short_tilings.json), then the TTFT of
-# a reusing request against a cold one (bench_prefix_cache.py, 7B shape, with the host/device
-# timeline): on the short products with those tilings (and the kernel profile), then on
-# cuBLAS, in the same call; then the attention of a short pass after a cached prompt
+# (bench_short_products.py, those that beat it written to $OUT/short_tilings.json), then the
+# TTFT of a reusing request against a cold one (bench_prefix_cache.py, 7B shape, with the
+# host/device timeline): as the engine runs it (with the swept tilings when SHORT=1; with the
+# kernel profile), then with every product on the default cuBLAS (--short-prefill-rows 0),
+# in the same call; then the attention of a short pass after a cached prompt
 # (bench_attention.py --after: splits, tiles, merged by the last split or by a second
 # launch). Logs go to $OUT.
 #   TESTS=0 skips the tests, SHORT=0 the tilings sweep (the TTFT runs on the engine's
-#   default then), TTFT=0 the TTFT runs, ATTN=0 the attention sweep; L2=1 adds the L2 reads
+#   measured default then), TTFT=0 the TTFT runs, ATTN=0 the attention sweep; L2=1 adds the L2 reads
 #   beside the attention (bench_l2_prefetch.py);
-#   TTFT_ARGS: more arguments for bench_prefix_cache.py.
+#   TEST_K: which GPU tests (pytest -k); TTFT_ARGS: more arguments for bench_prefix_cache.py.
 set -uo pipefail
 # shellcheck source=benchmarks/gpu_env.sh
 . benchmarks/gpu_env.sh
@@ -19,7 +20,7 @@ gpu_setup || exit 1
 rc=0
 if [ "${TESTS:-1}" = 1 ]; then
     timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra -rP" \
-        tests/unit/test_torch_gpu.py -k "split_prefill_keys or short_products" 2>&1 \
+        tests/unit/test_torch_gpu.py -k "${TEST_K:-split_prefill_keys or short_products}" 2>&1 \
         | tee "$OUT/ctx_tests.txt"
     rc=${PIPESTATUS[0]}
 fi
@@ -35,11 +36,9 @@ if [ "${TTFT:-1}" = 1 ]; then
         --rounds 5 --timeline --gpu-profile "${tilings[@]}" ${TTFT_ARGS:-} 2>&1 \
         | tee "$OUT/bench_prefix_cache.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-    if [ ${#tilings[@]} -gt 0 ]; then
-        timeout 150 python3 benchmarks/bench_prefix_cache.py --engine torch \
-            --shape qwen2.5-7b --rounds 5 --timeline --short-prefill-rows 0 ${TTFT_ARGS:-} \
-            2>&1 | tee "$OUT/bench_prefix_cache_cublas.txt"
-    fi
+    timeout 150 python3 benchmarks/bench_prefix_cache.py --engine torch \
+        --shape qwen2.5-7b --rounds 5 --timeline --short-prefill-rows 0 ${TTFT_ARGS:-} \
+        2>&1 | tee "$OUT/bench_prefix_cache_cublas.txt"
 fi
 if [ "${ATTN:-1}" = 1 ]; then
     timeout 180 python3 benchmarks/bench_attention.py --shapes qwen2.5-7b --prompts 50 \

@@ -36,6 +36,7 @@ from llm_runner_svc.engines.torch_picks import Picks
 from llm_runner_svc.engines.torch_prefill import PrefillStager
 from llm_runner_svc.engines.torch_state import allocate_state, pass_tokens
 from llm_runner_svc.engines.torch_steps import TorchSteps
+from llm_runner_svc.engines.torch_triton_modes import SHORT_TILINGS
 from llm_runner_svc.engines.torch_weights import TorchWeights, load_weights
 from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.models.lora import LoraAdapter
@@ -122,8 +123,8 @@ class TorchEngine(TorchSteps):
         than `fused_prefill_rows` and at most this many tokens (up to 64) multiply on the
         short products (torch_triton_short.py) those products that `short_tilings` holds a
         tiling for ((output columns, k, mode, norm inside) -> Tiling, as
-        `bench_short_products.py --write` measures them; None: none), the rest on cuBLAS;
-        0: every product on cuBLAS."""
+        `bench_short_products.py --write` measures them; None: the measured
+        `SHORT_TILINGS`), the rest on cuBLASLt; 0: every product on the default cuBLAS."""
         self.config = config
         self.device = resolve_device(device)
         default = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -148,7 +149,7 @@ class TorchEngine(TorchSteps):
         if not 0 <= short_prefill_rows <= 64:
             raise InvalidArgument(f"short_prefill_rows {short_prefill_rows}: 0 to 64")
         self.short_prefill_rows = short_prefill_rows
-        self.short_tilings = dict(short_tilings or {})
+        self.short_tilings = dict(SHORT_TILINGS if short_tilings is None else short_tilings)
         self.fused_rows = fused_rows
         self.fused_prefill_rows = fused_prefill_rows
         self.weights = weights if isinstance(weights, TorchWeights) else load_weights(
@@ -218,9 +219,8 @@ class TorchEngine(TorchSteps):
 
     def _short_products(self) -> Any:
         """The short passes' products with their partials claimed (None: not used here)."""
-        if not (self.short_prefill_rows > self.fused_prefill_rows and self.short_tilings
-                and self.kernels == "triton" and self.dtype == torch.bfloat16
-                and self.device.type == "cuda"):
+        if not (self.short_prefill_rows > self.fused_prefill_rows and self.kernels == "triton"
+                and self.dtype == torch.bfloat16 and self.device.type == "cuda"):
             return None
         from llm_runner_svc.engines.torch_triton_short import ShortProducts
 

@@ -32,15 +32,19 @@ bf16 ones, beside its weights.)
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE
+from llm_runner_svc.engines.torch_triton_modes import (
+    ACCUMULATE,
+    SILU_GATE,
+    STORE,
+    Shape,
+    Tiling,
+)
 from llm_runner_svc.engines.torch_triton_products import _finish
 
 _SILU_GATE = tl.constexpr(SILU_GATE)
@@ -118,18 +122,6 @@ def short_kernel(a_ptr, a_stride, w_ptr, bias_ptr, norm_ptr, out_ptr, out_stride
             tl.atomic_xchg(counter, 0)
 
 
-class Tiling(NamedTuple):
-    bn: int  # weight rows (output columns) a program
-    bk: int  # K positions a step
-    split_k: int  # programs sharing a tile's K range
-    warps: int
-    stages: int
-
-
-# A product: (output columns n, k, mode, whether the RMSNorm runs inside it)
-Shape = tuple[int, int, int, bool]
-
-
 class ShortProducts:
     """Launches of `short_kernel` for the products it holds a tiling for (`tilings`, as
     measured: bench_short_products.py writes the fastest of each shape where it beats
@@ -201,10 +193,3 @@ class ShortProducts:
     def accumulate(self, a: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> bool:
         """x += a @ w.T; x float32."""
         return self._launch(a, w, x, w.shape[0], ACCUMULATE)
-
-
-def load_tilings(text: str) -> dict[Shape, Tiling]:
-    """Tilings as `bench_short_products.py --write` leaves them (JSON)."""
-    rows = json.loads(text)["tilings"]
-    return {(int(r[0]), int(r[1]), int(r[2]), bool(r[3])): Tiling(*map(int, r[4:]))
-            for r in rows}

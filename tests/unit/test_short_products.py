@@ -22,8 +22,8 @@ def _normed(x, g):
 def test_short_products_match_the_reference(split_k, request):
     if rerun_interpreted(request):
         return
-    from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE
-    from llm_runner_svc.engines.torch_triton_short import ShortProducts, Tiling
+    from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE, Tiling
+    from llm_runner_svc.engines.torch_triton_short import ShortProducts
 
     gen = torch.Generator().manual_seed(5)
     m, n, k = 13, 40, 100
@@ -71,8 +71,8 @@ def test_short_products_match_the_reference(split_k, request):
 
 
 def test_tilings_are_checked_and_loaded():
-    from llm_runner_svc.engines.torch_triton_modes import SILU_GATE
-    from llm_runner_svc.engines.torch_triton_short import ShortProducts, Tiling, load_tilings
+    from llm_runner_svc.engines.torch_triton_modes import SILU_GATE, Tiling, load_tilings
+    from llm_runner_svc.engines.torch_triton_short import ShortProducts
 
     with pytest.raises(ValueError, match="split_k must be 1"):
         ShortProducts(EPS, {(8, 32, SILU_GATE, False): Tiling(16, 32, 2, 4, 1)})

@@ -382,8 +382,8 @@ def test_short_products_against_the_precise_path(stories, split, norm_inside, mo
     inside; split K ranges summed by the last program), chunks of 50 and of 7 after earlier
     ones: states within bf16 rounding of the float32-activation path (BF16_CUBLAS_REL) and
     of the same passes on cuBLAS, the same argmax wherever its lead is clear of it."""
-    from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE
-    from llm_runner_svc.engines.torch_triton_short import ShortProducts, Tiling
+    from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE, Tiling
+    from llm_runner_svc.engines.torch_triton_short import ShortProducts
 
     c = stories.config
     shapes = [(c.q_dim + 2 * c.kv_dim, c.hidden_size, STORE, norm_inside),
@@ -402,8 +402,10 @@ def test_short_products_against_the_precise_path(stories, split, norm_inside, mo
         launches.clear()
         logits, got = _prefill_states(stories, prompt, chunk=chunk, rows=0,
                                       short_prefill_rows=64, short_tilings=tilings)
-        assert sum(launches) == 4 * c.num_layers * -(-300 // chunk)  # every product
-        cublas_logits, cublas = _prefill_states(stories, prompt, chunk=chunk, rows=0)
+        # every product of every pass (and of the graphs captured at preallocate)
+        assert sum(launches) >= 4 * c.num_layers * -(-300 // chunk)
+        cublas_logits, cublas = _prefill_states(stories, prompt, chunk=chunk, rows=0,
+                                                short_prefill_rows=0)
         spread, apart = _spread(got, want), _spread(got, cublas)
         print(f"short products (split {split}, norm inside {norm_inside}) in chunks of "
               f"{chunk}: states {_fmt(spread)} from the precise path, {_fmt(apart)} from "
