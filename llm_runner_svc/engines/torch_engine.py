@@ -8,7 +8,10 @@ decode step as a CUDA graph captured per batch-size bucket in `preallocate()`. A
 float32 activations with the norms and epilogues fused around them
 (torch_triton_products.py); longer prefill batches multiply on cuBLAS in bf16 at the tensor
 cores' full rate, and attend with one FlashAttention-style launch over the paged pool
-(torch_triton_prefill.py). Decode attention reads only the filled pages of each row.
+(torch_triton_prefill.py). Short prefill passes (up to `short_prefill_rows` tokens, a
+reusing request's new turn) run the products a measured tiling says are faster on the short
+products (torch_triton_short.py) and the rest on cuBLASLt. Decode attention reads only the
+filled pages of each row.
 Prefill passes of up to `prefill_graph_tokens` replay graphs too, one per token bucket.
 
 This module builds the engine and claims its buffers; its steps (`launch` / `read`) are in

@@ -22,11 +22,11 @@ from llm_runner_svc.engines.torch_ops import Rope, TorchOps, pool_slots
 from llm_runner_svc.engines.torch_prefill import PrefillLayout
 from llm_runner_svc.engines.torch_state import RunState
 from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE
+from llm_runner_svc.engines.torch_weights import TorchWeights
+from llm_runner_svc.models.spec import ModelConfig
 
 if TYPE_CHECKING:  # (CUDA only)
     from llm_runner_svc.engines.torch_triton_short import ShortProducts
-from llm_runner_svc.engines.torch_weights import TorchWeights
-from llm_runner_svc.models.spec import ModelConfig
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, qkv, out)
 
