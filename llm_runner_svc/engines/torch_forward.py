@@ -339,7 +339,7 @@ class Forward:
         self.embed(layout.ids, n, capture)
         self.override(overrides, capture)
         short = self.short if not lora and n <= self.short_rows else None
-        with _cublaslt(short is not None):
+        with _cublaslt(short is not None and s.x.is_cuda):
             self.layers(n, layout.positions, layout.slots, attend, capture,
                         self.fuses(n, is_decode=False), lora, short=short)
         s.x_last.index_copy_(0, layout.dest, s.x[:n].index_select(0, layout.last))

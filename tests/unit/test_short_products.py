@@ -2,7 +2,8 @@
 with float32 weights (exact products): each mode against a float64 reference, whole or with
 its K range split over programs (K not a multiple of the step, columns not a multiple of
 the tile), the norm's squares summed across the splits; the counts are zero after every
-launch, and the split sum is the same every run."""
+launch, and the split sum is the same every run. And the engine's short passes on them,
+against the plain-torch reference ops."""
 
 from __future__ import annotations
 
@@ -78,3 +79,48 @@ def test_tilings_are_checked_and_loaded():
         ShortProducts(EPS, {(8, 32, SILU_GATE, False): Tiling(16, 32, 2, 4, 1)})
     got = load_tilings('{"tilings": [[8, 32, 2, false, 16, 32, 1, 4, 3]]}')
     assert got == {(8, 32, SILU_GATE, False): Tiling(16, 32, 1, 4, 3)}
+
+
+def test_short_passes_in_the_engine_match_the_reference_ops(stories, request, monkeypatch):
+    """The torch engine's triton kernels on the interpreter (float32), prefill passes of
+    50, 50 and 20 tokens with every product of each layer on the short products (the norm
+    inside q/k/v, before gate/up; o and down split over programs) against the plain-torch
+    reference ops: the same logits and hidden states to float32 rounding, and every
+    product of every pass took the short kernel."""
+    if rerun_interpreted(request):
+        return
+    import numpy as np
+
+    from llm_runner_svc.engines import create_engine
+    from llm_runner_svc.engines.base import EnginePlan
+    from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE, Tiling
+    from llm_runner_svc.engines.torch_triton_short import ShortProducts
+
+    c = stories.config
+    tilings = {(c.q_dim + 2 * c.kv_dim, c.hidden_size, STORE, True): Tiling(32, 32, 1, 4, 1),
+               (c.hidden_size, c.q_dim, ACCUMULATE, False): Tiling(16, 32, 2, 4, 1),
+               (c.intermediate_size, c.hidden_size, SILU_GATE, False): Tiling(32, 32, 1, 4, 1),
+               (c.hidden_size, c.intermediate_size, ACCUMULATE, False): Tiling(16, 64, 3, 4, 1)}
+    launched = []
+    launch = ShortProducts._launch
+
+    def counted(self, *args, **kw):
+        launched.append(launch(self, *args, **kw))
+        return launched[-1]
+
+    monkeypatch.setattr(ShortProducts, "_launch", counted)
+    prompt = [int(t) for t in np.random.default_rng(4).integers(3, c.vocab_size, 120)]
+    got = []
+    for kernels, opts in (("torch", {}), ("triton", {"fused_prefill_rows": 0,
+                                                     "short_tilings": tilings})):
+        eng = create_engine("torch", c, stories.weights, device="cpu", kernels=kernels,
+                            **opts)
+        table = list(range(8))
+        eng.preallocate(EnginePlan(max_batch=1, max_seq=128, page_size=16, num_pages=8,
+                                   prefill_chunk=50, hidden_layer=-1))
+        states = eng.prefill(prompt, 0, table, capture_hidden=True).states
+        got.append((eng.logits(1).copy(), np.asarray(states, np.float32)))
+        eng.close()
+    assert sum(launched) == 4 * c.num_layers * 3
+    np.testing.assert_allclose(got[1][0], got[0][0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got[1][1], got[0][1], rtol=1e-4, atol=1e-4)
