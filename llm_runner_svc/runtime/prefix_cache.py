@@ -73,14 +73,15 @@ def media_marks(media: Sequence[EmbedSpan], lo: int, hi: int) -> bytes:
     return out
 
 
-_UINT32 = "I" if array("I").itemsize == 4 else "L"
+if array("I").itemsize != 4:  # (C's unsigned int is 4 bytes wherever CPython runs here)
+    raise ImportError("the prefix cache packs token ids as 4-byte unsigned ints")
 _SWAP = sys.byteorder != "little"
 
 
 def packed(tokens: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32, what page names hash and records compare.
     OverflowError for an id outside 0 .. 2**32 - 1, TypeError for one that is no int."""
-    ids = array(_UINT32, tokens)
+    ids = array("I", tokens)
     if _SWAP:
         ids.byteswap()
     return ids.tobytes()
