@@ -87,6 +87,16 @@ def packed(tokens: Sequence[int]) -> bytes:
     return ids.tobytes()
 
 
+def packed_range(tokens: Sequence[int], head: bytes, lo: int, hi: int) -> bytes:
+    """`packed(tokens[lo:hi])`, taken from `head` (the `packed` ids of a prefix of `tokens`:
+    the prompt's, packed at admission) as far as it reaches."""
+    if len(head) >= 4 * hi:
+        return head[4 * lo:4 * hi]
+    if len(head) <= 4 * lo:
+        return packed(tokens[lo:hi])
+    return head[4 * lo:] + packed(tokens[len(head) // 4:hi])
+
+
 def page_name(parent: bytes, ids: bytes) -> bytes:
     """The chained name of a page holding the `packed` ids `ids`, after the page named
     `parent` (and its media marks)."""
@@ -137,18 +147,13 @@ class PrefixCache:
         their keys. At least one token is left out (its logits give the first pick), so a
         prompt of whole pages reuses all but its last page. Only pages written by launches
         up to `launches` count; with `hidden`, only pages that keep their states. `head`:
-        the `packed` ids of a prefix of `tokens` (the prompt's, packed at admission), so
-        only what follows it is packed here."""
+        the `packed` ids of a prefix of `tokens` (`packed_range`)."""
         ps = self.pool.page_size
         pages: list[int] = []
         keys: list[Key] = []
         parent = self.adapter_root(adapter)
         full = (len(tokens) - 1) // ps
-        width = 4 * ps
-        if len(head) >= full * width:
-            ids = head[:full * width]
-        else:
-            ids = head + packed(tokens[len(head) // 4:full * ps])
+        ids, width = packed_range(tokens, head, 0, full * ps), 4 * ps
         records = self._names  # (a 2,000-token prompt looks up 125 pages)
         for i in range(full):
             if media:
@@ -195,11 +200,11 @@ class PrefixCache:
 
     def commit(self, tokens: Sequence[int], pages: Sequence[int], keys: list[Key],
                upto: int, launch: int, adapter: int = 0,
-               media: Sequence[EmbedSpan] = ()) -> None:
+               media: Sequence[EmbedSpan] = (), head: bytes = b"") -> None:
         """File the full pages of `pages` past the `keys` they have, whose positions are all
         below `upto` (their KV written by `launch` or earlier); their keys are appended to
         `keys`. A page whose content is cached already (another request's page) stays the
-        request's own, and `keys` holds the existing record's key."""
+        request's own, and `keys` holds the existing record's key. `head`: as `match`'s."""
         ps = self.pool.page_size
         end = min(upto // ps, len(pages))  # the full pages to file
         if len(keys) >= end:
@@ -209,10 +214,12 @@ class PrefixCache:
             parent = rec.name if rec is not None else page_name(*keys[-1])
         else:
             parent = self.adapter_root(adapter)
-        for done in range(len(keys), end):
+        first, width = len(keys), 4 * ps
+        ids = packed_range(tokens, head, first * ps, end * ps)
+        for done in range(first, end):
             if media:
                 parent += media_marks(media, done * ps, (done + 1) * ps)
-            key = (parent, packed(tokens[done * ps:(done + 1) * ps]))
+            key = (parent, ids[(done - first) * width:(done - first + 1) * width])
             parent = page_name(*key)
             page = pages[done]
             if key not in self._names and page not in self._by_page:

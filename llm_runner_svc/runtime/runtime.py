@@ -164,7 +164,7 @@ class InferenceRuntime(SequenceAdvance):
         return bool(self._seqs or self._cancels)
 
     def admission_error(self, req: GenerationRequest) -> RunnerError | None:
-        """Why `req` cannot be served, or None. Cheap; allocates nothing."""
+        """Why `req` cannot be served, or None. Cheap; claims no pages."""
         try:
             self._admissible(req)
         except RunnerError as err:

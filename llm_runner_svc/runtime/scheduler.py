@@ -258,7 +258,7 @@ class Scheduler:
         if not seq.req.cache_generated:
             upto = min(upto, len(seq.req.prompt_ids))
         self.cache.commit(seq.known, seq.pages, seq.page_keys, upto, launch, seq.req.adapter,
-                          seq.req.embeds)
+                          seq.req.embeds, seq.packed_prompt)
 
     def _plan_row(self, seq: SequenceState, plan: Planned, tokens: tuple[int, ...],
                   from_pick: int | None, pick: bool) -> None:

@@ -10,7 +10,7 @@ from helpers import make_runtime
 
 from llm_runner_svc.runtime import GenerationRequest, RuntimeConfig, resolve
 from llm_runner_svc.runtime.kv import PagePool
-from llm_runner_svc.runtime.prefix_cache import PrefixCache, packed
+from llm_runner_svc.runtime.prefix_cache import PrefixCache, packed, packed_range
 
 PS = 16
 STORY = ("Once upon a time, there was a little girl named Lily. She liked to play outside in "
@@ -231,6 +231,14 @@ def test_a_packed_head_matches_as_the_tokens_do(head):
     cache.clear()
     pool.release(pages)
     assert pool.num_free == 8
+
+
+def test_packed_range_takes_the_head_as_far_as_it_reaches():
+    tokens = list(range(100, 140))
+    for head in (0, 5, 16, 40):
+        for lo, hi in ((0, 16), (4, 12), (16, 32), (30, 40)):
+            assert packed_range(tokens, packed(tokens[:head]), lo, hi) == \
+                packed(tokens[lo:hi]), (head, lo, hi)
 
 
 @pytest.mark.parametrize("generated", [True, False])
