@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,9 +30,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_paths  # noqa: E402
 
 from llm_runner_svc.engines.torch_triton import TritonOps  # noqa: E402
-from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE, Shape, Tiling  # noqa: E402  # noqa: E402
+from llm_runner_svc.engines.torch_triton_modes import (  # noqa: E402
+    ACCUMULATE,
+    SILU_GATE,
+    STORE,
+    Shape,
+    Tiling,
+)
 from llm_runner_svc.engines.torch_triton_short import MAX_ROWS, ShortProducts  # noqa: E402
 from llm_runner_svc.engines.torch_weights import named_shape, random_weights  # noqa: E402
 
@@ -49,15 +56,7 @@ def _graph_us(body: Body, layers: int, reps: int) -> float:
     with torch.cuda.graph(graph):
         for li in range(layers):
             body(li)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / layers)
-    return statistics.median(times)
+    return gpu_paths.event_ms(graph.replay, reps=1, rounds=reps) * 1e3 / layers
 
 
 def _candidates(mode: int, k: int) -> list[Tiling]:

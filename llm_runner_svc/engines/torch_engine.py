@@ -21,7 +21,7 @@ torch_steps.py. Hidden states stay staged on the device unless a row asked for t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,11 +39,14 @@ from llm_runner_svc.engines.torch_picks import Picks
 from llm_runner_svc.engines.torch_prefill import PrefillStager
 from llm_runner_svc.engines.torch_state import allocate_state, pass_tokens
 from llm_runner_svc.engines.torch_steps import TorchSteps
-from llm_runner_svc.engines.torch_triton_modes import SHORT_TILINGS
+from llm_runner_svc.engines.torch_triton_modes import SHORT_TILINGS, Shape, Tiling
 from llm_runner_svc.engines.torch_weights import TorchWeights, load_weights
 from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.models.lora import LoraAdapter
 from llm_runner_svc.models.spec import ModelConfig, ModelWeights
+
+if TYPE_CHECKING:  # (CUDA only)
+    from llm_runner_svc.engines.torch_triton_short import ShortProducts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 FUSED_ROWS = 1  # batch 1; the fused kernel's few-row variants lose to cuBLAS
@@ -98,7 +101,7 @@ class TorchEngine(TorchSteps):
                  split_prefill_keys: bool = True,
                  adapters: Sequence[LoraAdapter] = (),
                  short_prefill_rows: int = SHORT_PREFILL_ROWS,
-                 short_tilings: Mapping[Any, Any] | None = None) -> None:
+                 short_tilings: Mapping[Shape, Tiling] | None = None) -> None:
         """`dtype`: "float32" or "bfloat16" (default: bf16 on CUDA, float32 on the CPU).
         `kernels`: "triton" (the CUDA default: fused kernels, decode steps as CUDA graphs), or
         "torch" for the plain reference ops, run eagerly.
@@ -220,10 +223,13 @@ class TorchEngine(TorchSteps):
         self._bytes += self.picks.nbytes
         self._last_sampled: tuple[bool, ...] = ()  # which rows of the last forward picked
 
-    def _short_products(self) -> Any:
-        """The short passes' products with their partials claimed (None: not used here)."""
-        if not (self.short_prefill_rows > self.fused_prefill_rows and self.kernels == "triton"):
-            return None  # (on the CPU, triton kernels run on Triton's interpreter: tests)
+    def _short_products(self) -> ShortProducts | None:
+        """The short passes' products with their partials claimed (None: not used here):
+        with triton kernels on bf16 weights (or on the CPU, where triton kernels run on
+        Triton's interpreter: the tests)."""
+        if not (self.short_prefill_rows > self.fused_prefill_rows and self.kernels == "triton"
+                and (self.dtype == torch.bfloat16 or self.device.type == "cpu")):
+            return None
         from llm_runner_svc.engines.torch_triton_short import ShortProducts
 
         short = ShortProducts(self.config.rms_eps, self.short_tilings)
