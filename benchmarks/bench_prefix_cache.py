@@ -99,16 +99,19 @@ def _median(ms: list[RequestMetrics]) -> RequestMetrics:
 
 
 def ttft(model: Model, engine: Engines, system: int, user: int, profile: bool = False,
-         rounds: int = 1, gpu_profile: bool = False, timeline: bool = False) -> None:
+         rounds: int = 1, gpu_profile: bool = False, timeline: bool = False,
+         pause_ms: float = 0.0) -> None:
     """Each round: a new system prompt (cold), then the same system prompt with another
-    user turn (reuse), then that prompt again with the lookup bypassed; the table gives
-    each request's median round."""
+    user turn (reuse; `pause_ms` after the cold one ended, the device idle), then that
+    prompt again with the lookup bypassed; the table gives each request's median round.
+    With `timeline`, also where each round's reusing request spent its time (`_Marks`)."""
     rt = runtime(model, engine, system + user + 16, True)
     if model.format == "random":  # kernels compiled (a prefill after reused pages too)
         warm = tokens(model, system, "Warm-up")
         run(rt, "warm-up", warm + tokens(model, user, "Warm-up A"))
         run(rt, "warm-up reuse", warm + tokens(model, user, "Warm-up B"))
     seen: dict[str, list[RequestMetrics]] = {"first": [], "second": [], "bypass": []}
+    splits: list[dict[str, float]] = []
     prof = cProfile.Profile() if profile else None
     for r in range(rounds):
         sys_ids = tokens(model, system, f"System {r}")
@@ -121,67 +124,95 @@ def ttft(model: Model, engine: Engines, system: int, user: int, profile: bool = 
             _timeline(rt, [sys_ids + tokens(model, user, f"Question T{r}.{k}")
                            for k in range(9)])
         call = prof.runcall if prof is not None and r == rounds - 1 else _call
-        seen["second"].append(call(run, rt, f"second {r}", second)[0])
+        time.sleep(pause_ms / 1e3)
+        if timeline:
+            with _Marks(rt.engine) as marks:
+                metrics, split = marks.row(call, run, rt, f"second {r}", second)
+            splits.append(split)
+        else:
+            metrics = call(run, rt, f"second {r}", second)[0]
+        seen["second"].append(metrics)
         seen["bypass"].append(run(rt, f"bypass {r}", second, lookup=False)[0])
     rt.close()
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    first, second, bypass = (_median(seen[k]) for k in ("first", "second", "bypass"))
+    first, reuse, bypass = (_median(seen[k]) for k in ("first", "second", "bypass"))
     print(f"median of {rounds} round(s); TTFT of every round, ms: "
           + "; ".join(f"{k} " + ", ".join(f"{m.ttft_ms:.1f}" for m in v)
                       for k, v in seen.items()) + "\n")
+    if splits:
+        print(f"each round's reusing request ({pause_ms:g} ms after the cold one), ms: "
+              + "; ".join(f"{k} " + ", ".join(f"{row[k]:.2f}" for row in splits)
+                          for k in ("to launch", "device", "read")) + "\n")
     print("| request | cached | prefilled | TTFT ms | of which queued | vs first |\n"
           "|---|---|---|---|---|---|")
-    for name, m in (("first (cold)", first), ("second (reuse)", second),
+    for name, m in (("first (cold)", first), ("second (reuse)", reuse),
                     ("second, lookup bypassed", bypass)):
         print(f"| {name} | {m.cached_tokens} | {m.prefilled_tokens} | {m.ttft_ms:.1f} | "
               f"{m.queue_ms:.1f} | {m.ttft_ms / first.ttft_ms:.3f}x |")
 
 
+class _Marks:
+    """The engine's `launch` and `read` wrapped (CUDA): `row(run)` runs one request and
+    returns where its time went: its wait to be scheduled (prefix lookup, pages), the
+    engine's `launch` on the host, the device from the launch's start to its last kernel,
+    and `read` (waiting for the pick)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.launch, self.read = engine.launch, engine.read
+        self.m: dict[str, Any] = {}
+
+    def __enter__(self) -> _Marks:
+        import torch
+
+        m = self.m
+
+        def timed_launch(batch: Any) -> Any:
+            m["e0"] = torch.cuda.Event(enable_timing=True)
+            m["e1"] = torch.cuda.Event(enable_timing=True)
+            m["e0"].record()
+            m["l0"] = time.perf_counter()
+            out = self.launch(batch)
+            m["l1"] = time.perf_counter()
+            m["e1"].record()
+            return out
+
+        def timed_read(handle: Any) -> Any:
+            m["r0"] = time.perf_counter()
+            out = self.read(handle)
+            m["r1"] = time.perf_counter()
+            return out
+
+        self.engine.launch, self.engine.read = timed_launch, timed_read
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.launch, self.engine.read = self.launch, self.read
+
+    def row(self, fn: Callable[..., Any], *args: Any) -> tuple[RequestMetrics, dict[str, float]]:
+        """`fn(*args)` (a `run`, or a call of one) and where its request's time went."""
+        import torch
+
+        m = self.m
+        t0 = time.perf_counter()
+        metrics = fn(*args)[0]
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return metrics, {"ttft": metrics.ttft_ms, "queue": metrics.queue_ms,
+                         "to launch": (m["l0"] - t0) * 1e3,
+                         "launch (host)": (m["l1"] - m["l0"]) * 1e3,
+                         "device": m["e0"].elapsed_time(m["e1"]),
+                         "launch end to read": (m["r0"] - m["l1"]) * 1e3,
+                         "read": (m["r1"] - m["r0"]) * 1e3,
+                         "read to caller": (t1 - m["r1"]) * 1e3}
+
+
 def _timeline(rt: InferenceRuntime, prompts: Sequence[list[int]]) -> None:
-    """Where a reusing request's time goes, CUDA events beside the host clock: its wait to
-    be scheduled (prefix lookup, pages), the engine's `launch` on the host, the device from
-    the launch's start to its last kernel, and `read` (waiting for the pick); medians over
-    `prompts`."""
-    import torch
-
-    engine: Any = rt.engine
-    launch, read = engine.launch, engine.read
-    marks: dict[str, Any] = {}
-
-    def timed_launch(batch: Any) -> Any:
-        marks["e0"] = torch.cuda.Event(enable_timing=True)
-        marks["e1"] = torch.cuda.Event(enable_timing=True)
-        marks["e0"].record()
-        marks["l0"] = time.perf_counter()
-        out = launch(batch)
-        marks["l1"] = time.perf_counter()
-        marks["e1"].record()
-        return out
-
-    def timed_read(handle: Any) -> Any:
-        marks["r0"] = time.perf_counter()
-        out = read(handle)
-        marks["r1"] = time.perf_counter()
-        return out
-
-    engine.launch, engine.read = timed_launch, timed_read
-    rows: list[dict[str, float]] = []
-    try:
-        for k, prompt in enumerate(prompts):
-            t0 = time.perf_counter()
-            m, _ = run(rt, f"timeline {k}", prompt)
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            rows.append({"ttft": m.ttft_ms, "queue": m.queue_ms,
-                         "to launch": (marks["l0"] - t0) * 1e3,
-                         "launch (host)": (marks["l1"] - marks["l0"]) * 1e3,
-                         "device": marks["e0"].elapsed_time(marks["e1"]),
-                         "launch end to read": (marks["r0"] - marks["l1"]) * 1e3,
-                         "read": (marks["r1"] - marks["r0"]) * 1e3,
-                         "read to caller": (t1 - marks["r1"]) * 1e3})
-    finally:
-        engine.launch, engine.read = launch, read
+    """Where a reusing request's time goes (`_Marks`), medians over `prompts`, each run
+    right after the one before."""
+    with _Marks(rt.engine) as marks:
+        rows = [marks.row(run, rt, f"timeline {k}", p)[1] for k, p in enumerate(prompts)]
     print(f"timeline of {len(rows)} reusing requests, medians, ms: " + ", ".join(
         f"{k} {statistics.median(r[k] for r in rows):.3f}" for k in rows[0]) + "\n")
 
@@ -266,6 +297,8 @@ def main() -> None:
                     help="cold/reuse rounds, the median reported (default 5 on torch, else 1)")
     ap.add_argument("--gpu-profile", action="store_true",
                     help="the GPU kernels of one reusing request (torch.profiler)")
+    ap.add_argument("--pause-ms", type=float, default=0.0,
+                    help="idle time between each round's cold request and its reusing one")
     ap.add_argument("--timeline", action="store_true",
                     help="a reusing request's host and device time, step by step (CUDA)")
     args = ap.parse_args()
@@ -288,7 +321,7 @@ def main() -> None:
     print(f"{where}; system prompt {args.system} tokens, user turn {args.user}\n")
     rounds = args.rounds or (5 if args.engine == "torch" else 1)
     ttft(model, engine, args.system, args.user, args.profile, rounds, args.gpu_profile,
-         args.timeline)
+         args.timeline, args.pause_ms)
     if args.turns:
         conversation(model, args.turns, args.user, args.answer)
 

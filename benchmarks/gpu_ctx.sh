@@ -26,12 +26,16 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 tilings=()
 if [ "${SHORT:-1}" = 1 ]; then
-    timeout 200 python3 benchmarks/bench_short_products.py --write "$OUT/short_tilings.json" \
-        2>&1 | tee "$OUT/bench_short_products.txt"
+    timeout 240 python3 benchmarks/bench_short_products.py --write "$OUT/short_tilings.json" \
+        --products "${SHORT_PRODUCTS:-q/k/v,o,gate/up,down}" 2>&1 \
+        | tee "$OUT/bench_short_products.txt"
     [ -s "$OUT/short_tilings.json" ] && tilings=(--short-prefill-rows 64 --short-tilings \
         "$OUT/short_tilings.json")
 fi
 if [ "${TTFT:-1}" = 1 ]; then
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu \
+        --format=csv -lms 20 >"$OUT/clocks.csv" 2>/dev/null &
+    clocks=$!
     timeout 200 python3 benchmarks/bench_prefix_cache.py --engine torch --shape qwen2.5-7b \
         --rounds 5 --timeline --gpu-profile "${tilings[@]}" ${TTFT_ARGS:-} 2>&1 \
         | tee "$OUT/bench_prefix_cache.txt"
@@ -39,6 +43,12 @@ if [ "${TTFT:-1}" = 1 ]; then
     timeout 150 python3 benchmarks/bench_prefix_cache.py --engine torch \
         --shape qwen2.5-7b --rounds 5 --timeline --short-prefill-rows 0 ${TTFT_ARGS:-} \
         2>&1 | tee "$OUT/bench_prefix_cache_cublas.txt"
+    if [ -n "${PAUSE:-}" ]; then
+        timeout 150 python3 benchmarks/bench_prefix_cache.py --engine torch \
+            --shape qwen2.5-7b --rounds 5 --timeline --pause-ms "$PAUSE" "${tilings[@]}" \
+            ${TTFT_ARGS:-} 2>&1 | tee "$OUT/bench_prefix_cache_pause.txt"
+    fi
+    kill "$clocks" 2>/dev/null
 fi
 if [ "${ATTN:-1}" = 1 ]; then
     timeout 180 python3 benchmarks/bench_attention.py --shapes qwen2.5-7b --prompts 50 \

@@ -21,6 +21,7 @@ class Tiling(NamedTuple):
     split_k: int  # programs sharing a tile's K range
     warps: int
     stages: int
+    evict: int = 0  # 1: the weight loads ask L2 to drop them first
 
 
 # A product: (output columns n, k, mode, whether the RMSNorm runs inside it)

@@ -16,11 +16,13 @@ those steps inside it:
   sum onto the float32 residual.
 
 A narrow matrix (q/k/v, o, down of a 7B model: 3,584 to 4,608 columns) has too few column
-tiles for every multiprocessor, so its K range may be split over SPLIT_K programs a tile;
-each leaves its float32 partial (and its rows' partial sums of squares) in the partials,
-counts itself in, and the last of a tile's programs sums them in split order (the same sum
-every run) and finishes the tile. The counts are zero again after every launch, so a CUDA
-graph can hold the launches.
+tiles for every multiprocessor, and a wide one's tiles may leave the last wave of programs
+mostly idle, so the K range may be split over SPLIT_K programs a tile; each leaves its
+float32 partial (both halves' for the SiLU gate, and its rows' partial sums of squares) in
+the partials, counts itself in, and the last of a tile's programs sums them in split order
+(the same sum every run) and finishes the tile. The counts are zero again after every
+launch, so a CUDA graph can hold the launches. The weights are read once a pass; with
+EVICT_W their loads ask L2 to drop them first, keeping the rows every program rereads.
 
 Whether a product takes this kernel, and with which tiling, is measured per shape
 (`benchmarks/bench_short_products.py`, each side in a CUDA graph over every layer's
@@ -52,16 +54,27 @@ MAX_ROWS = 64  # the most rows a short product takes (one row tile)
 
 
 @triton.jit
+def _weights(ptrs, kmask, nmask, EVICT_W: tl.constexpr):
+    """A [BK, BN] tile of weights (read once a pass)."""
+    mask = kmask[:, None] & nmask[None, :]
+    if EVICT_W:
+        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def short_kernel(a_ptr, a_stride, w_ptr, bias_ptr, norm_ptr, out_ptr, out_stride, part_ptr,
                  ss_ptr, count_ptr, M, N, K, k_per_split, eps, HAS_NORM: tl.constexpr,
                  HAS_BIAS: tl.constexpr, MODE: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr):
+                 BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+                 EVICT_W: tl.constexpr):
     """Grid (cdiv(N, BN), SPLIT_K): program (t, s) multiplies rows 0..M-1 of a [M, K] by
     weight rows t BN .. t BN + BN - 1 of w [N, K] (for SILU_GATE w has 2 N rows, gate then
     up) over K positions s k_per_split .. (a multiple of BK). HAS_NORM: a is the float32
     residual, RMSNormed by `norm` on the way (see the module docstring). MODE: STORE,
-    ACCUMULATE or SILU_GATE (which takes SPLIT_K 1). With SPLIT_K > 1: `part` [SPLIT_K, BM,
-    N] and `ss` [SPLIT_K, tiles, BM] float32, `count` [tiles] int32, zero between launches."""
+    ACCUMULATE or SILU_GATE. With SPLIT_K > 1: `part` [halves, SPLIT_K, BM, N] (halves 2 for
+    SILU_GATE, else 1) and `ss` [SPLIT_K, tiles, BM] float32, `count` [tiles] int32, zero
+    between launches."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rm = tl.arange(0, BM)
@@ -85,10 +98,9 @@ def short_kernel(a_ptr, a_stride, w_ptr, bias_ptr, norm_ptr, out_ptr, out_stride
             ss += tl.sum(a * a, axis=1)
             a = a * tl.load(norm_ptr + kk, mask=kmask, other=0.0)[None, :]
         a = a.to(w_ptr.dtype.element_ty)
-        wmask = kmask[:, None] & nmask[None, :]
-        acc = tl.dot(a, tl.load(w_cols + kk[:, None], mask=wmask, other=0.0), acc)
+        acc = tl.dot(a, _weights(w_cols + kk[:, None], kmask, nmask, EVICT_W), acc)
         if MODE == _SILU_GATE:
-            acc_up = tl.dot(a, tl.load(w_cols + N * K + kk[:, None], mask=wmask, other=0.0),
+            acc_up = tl.dot(a, _weights(w_cols + N * K + kk[:, None], kmask, nmask, EVICT_W),
                             acc_up)
     if SPLIT_K == 1:
         if HAS_NORM:
@@ -101,6 +113,9 @@ def short_kernel(a_ptr, a_stride, w_ptr, bias_ptr, norm_ptr, out_ptr, out_stride
         tiles = tl.num_programs(0)
         p_off = rm[:, None] * N + rn[None, :]
         tl.store(part_ptr + split * BM * N + p_off, acc, mask=nmask[None, :])
+        if MODE == _SILU_GATE:
+            tl.store(part_ptr + (SPLIT_K + split) * BM * N + p_off, acc_up,
+                     mask=nmask[None, :])
         if HAS_NORM:
             tl.store(ss_ptr + (split * tiles + tile) * BM + rm, ss)
         tl.debug_barrier()  # every thread's partial is written before the count
@@ -108,16 +123,22 @@ def short_kernel(a_ptr, a_stride, w_ptr, bias_ptr, norm_ptr, out_ptr, out_stride
         if tl.atomic_add(counter, 1) == SPLIT_K - 1:
             tl.debug_barrier()
             total = tl.zeros([BM, BN], tl.float32)
+            total_up = tl.zeros([BM, BN], tl.float32)
             ss_all = tl.zeros([BM], tl.float32)
             for s in range(SPLIT_K):
                 total += tl.load(part_ptr + s * BM * N + p_off, mask=nmask[None, :],
                                  other=0.0, cache_modifier=".cg")
+                if MODE == _SILU_GATE:
+                    total_up += tl.load(part_ptr + (SPLIT_K + s) * BM * N + p_off,
+                                        mask=nmask[None, :], other=0.0, cache_modifier=".cg")
                 if HAS_NORM:
                     ss_all += tl.load(ss_ptr + (s * tiles + tile) * BM + rm,
                                       cache_modifier=".cg")
             if HAS_NORM:
-                total = total * tl.rsqrt(ss_all / K + eps)[:, None]
-            _finish(total, total, rm, rn, mmask, nmask, bias_ptr, out_ptr, out_stride,
+                inv = tl.rsqrt(ss_all / K + eps)[:, None]
+                total = total * inv
+                total_up = total_up * inv
+            _finish(total, total_up, rm, rn, mmask, nmask, bias_ptr, out_ptr, out_stride,
                     HAS_BIAS, MODE)
             tl.atomic_xchg(counter, 0)
 
@@ -132,10 +153,10 @@ class ShortProducts:
     def __init__(self, eps: float, tilings: Mapping[Shape, Tiling]) -> None:
         self.eps = eps
         self.tilings = dict(tilings)
-        for (n, k, mode, _), t in self.tilings.items():
-            if mode == SILU_GATE and t.split_k != 1:
-                raise ValueError(f"tiling {tuple(t)} of the SiLU-gate product ({n}, {k}): "
-                                 "split_k must be 1")
+        for (n, k, _, _), t in self.tilings.items():
+            if min(t[:4]) < 1 or t.stages < 1 or t.bn & (t.bn - 1) or t.bk & (t.bk - 1):
+                raise ValueError(f"tiling {tuple(t)} of the product ({n}, {k}): bn and bk "
+                                 "powers of two, split_k, warps and stages at least 1")
         self._part: torch.Tensor | None = None
         self._ss: torch.Tensor | None = None
         self._count: torch.Tensor | None = None
@@ -143,11 +164,12 @@ class ShortProducts:
     def reserve(self, device: torch.device) -> int:
         """Claim the partials of every tiled product; returns their bytes."""
         part = ss = count = 1
-        for (n, _, _, _), t in self.tilings.items():
+        for (n, _, mode, _), t in self.tilings.items():
             tiles = -(-n // t.bn)
             count = max(count, tiles)
             if t.split_k > 1:
-                part = max(part, t.split_k * MAX_ROWS * n)
+                halves = 2 if mode == SILU_GATE else 1
+                part = max(part, halves * t.split_k * MAX_ROWS * n)
                 ss = max(ss, t.split_k * tiles * MAX_ROWS)
         self._part = torch.empty(part, dtype=torch.float32, device=device)
         self._ss = torch.empty(ss, dtype=torch.float32, device=device)
@@ -168,7 +190,7 @@ class ShortProducts:
             out, out.stride(0), part, ss, count, m, n, k, per_split, self.eps,
             HAS_NORM=norm is not None, HAS_BIAS=bias is not None, MODE=mode,
             BM=max(16, 1 << (m - 1).bit_length()), BN=t.bn, BK=t.bk, SPLIT_K=t.split_k,
-            num_warps=t.warps, num_stages=t.stages)
+            EVICT_W=bool(t.evict), num_warps=t.warps, num_stages=t.stages)
         return True
 
     def norm_product(self, x: torch.Tensor, norm: torch.Tensor, w: torch.Tensor,

@@ -31,8 +31,7 @@ def test_short_products_match_the_reference(split_k, request):
     tiles = Tiling(bn=16, bk=32, split_k=split_k, warps=4, stages=1)
     shapes = [(n, k, STORE, True), (n, k, STORE, False), (n, k, ACCUMULATE, False),
               (n, k, SILU_GATE, True), (n, k, SILU_GATE, False)]
-    sp = ShortProducts(EPS, tilings={
-        s: tiles._replace(split_k=1) if s[2] == SILU_GATE else tiles for s in shapes})
+    sp = ShortProducts(EPS, tilings=dict.fromkeys(shapes, tiles))
     sp.reserve(torch.device("cpu"))
 
     x = torch.randn(m, k, generator=gen) * 3.0
@@ -75,16 +74,21 @@ def test_tilings_are_checked_and_loaded():
     from llm_runner_svc.engines.torch_triton_modes import SILU_GATE, Tiling, load_tilings
     from llm_runner_svc.engines.torch_triton_short import ShortProducts
 
-    with pytest.raises(ValueError, match="split_k must be 1"):
-        ShortProducts(EPS, {(8, 32, SILU_GATE, False): Tiling(16, 32, 2, 4, 1)})
+    for bad in (Tiling(24, 32, 1, 4, 1), Tiling(16, 48, 1, 4, 1), Tiling(16, 32, 0, 4, 1),
+                Tiling(16, 32, 1, 4, 0)):
+        with pytest.raises(ValueError, match="powers of two"):
+            ShortProducts(EPS, {(8, 32, SILU_GATE, False): bad})
     got = load_tilings('{"tilings": [[8, 32, 2, false, 16, 32, 1, 4, 3]]}')
     assert got == {(8, 32, SILU_GATE, False): Tiling(16, 32, 1, 4, 3)}
+    assert got[(8, 32, SILU_GATE, False)].evict == 0
+    got = load_tilings('{"tilings": [[8, 32, 2, false, 16, 32, 2, 4, 3, 1]]}')
+    assert got == {(8, 32, SILU_GATE, False): Tiling(16, 32, 2, 4, 3, evict=1)}
 
 
 def test_short_passes_in_the_engine_match_the_reference_ops(stories, request, monkeypatch):
     """The torch engine's triton kernels on the interpreter (float32), prefill passes of
     50, 50 and 20 tokens with every product of each layer on the short products (the norm
-    inside q/k/v, before gate/up; o and down split over programs) against the plain-torch
+    inside q/k/v, before gate/up; o, gate/up and down split over programs) against the plain-torch
     reference ops: the same logits and hidden states to float32 rounding, and every
     product of every pass took the short kernel."""
     if rerun_interpreted(request):
@@ -99,7 +103,7 @@ def test_short_passes_in_the_engine_match_the_reference_ops(stories, request, mo
     c = stories.config
     tilings = {(c.q_dim + 2 * c.kv_dim, c.hidden_size, STORE, True): Tiling(32, 32, 1, 4, 1),
                (c.hidden_size, c.q_dim, ACCUMULATE, False): Tiling(16, 32, 2, 4, 1),
-               (c.intermediate_size, c.hidden_size, SILU_GATE, False): Tiling(32, 32, 1, 4, 1),
+               (c.intermediate_size, c.hidden_size, SILU_GATE, False): Tiling(32, 32, 2, 4, 1, 1),
                (c.hidden_size, c.intermediate_size, ACCUMULATE, False): Tiling(16, 64, 3, 4, 1)}
     launched = []
     launch = ShortProducts._launch
