@@ -143,7 +143,7 @@ def ttft(model: Model, engine: Engines, system: int, user: int, profile: bool = 
     if splits:
         print(f"each round's reusing request ({pause_ms:g} ms after the cold one), ms: "
               + "; ".join(f"{k} " + ", ".join(f"{row[k]:.2f}" for row in splits)
-                          for k in ("to launch", "device", "read")) + "\n")
+                          for k in ("to launch", "device", "to graph", "read")) + "\n")
     print("| request | cached | prefilled | TTFT ms | of which queued | vs first |\n"
           "|---|---|---|---|---|---|")
     for name, m in (("first (cold)", first), ("second (reuse)", reuse),
@@ -155,12 +155,14 @@ def ttft(model: Model, engine: Engines, system: int, user: int, profile: bool = 
 class _Marks:
     """The engine's `launch` and `read` wrapped (CUDA): `row(run)` runs one request and
     returns where its time went: its wait to be scheduled (prefix lookup, pages), the
-    engine's `launch` on the host, the device from the launch's start to its last kernel,
-    and `read` (waiting for the pick)."""
+    engine's `launch` on the host, the device from the launch's start to its last kernel
+    (of which "to graph" passes before the prefill graph's replay starts: staging the
+    pass's inputs), and `read` (waiting for the pick)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.launch, self.read = engine.launch, engine.read
+        self.graphs = getattr(engine, "prefill_graphs", None)
         self.m: dict[str, Any] = {}
 
     def __enter__(self) -> _Marks:
@@ -184,17 +186,30 @@ class _Marks:
             m["r1"] = time.perf_counter()
             return out
 
+        replay = self.graphs.replay if self.graphs is not None else None
+
+        def timed_replay(bucket: int) -> None:
+            m["g0"] = torch.cuda.Event(enable_timing=True)
+            m["g0"].record()
+            assert replay is not None
+            replay(bucket)
+
         self.engine.launch, self.engine.read = timed_launch, timed_read
+        if self.graphs is not None:
+            self.graphs.replay = timed_replay
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.engine.launch, self.engine.read = self.launch, self.read
+        if self.graphs is not None:
+            del self.graphs.replay
 
     def row(self, fn: Callable[..., Any], *args: Any) -> tuple[RequestMetrics, dict[str, float]]:
         """`fn(*args)` (a `run`, or a call of one) and where its request's time went."""
         import torch
 
         m = self.m
+        m.pop("g0", None)
         t0 = time.perf_counter()
         metrics = fn(*args)[0]
         t1 = time.perf_counter()
@@ -203,6 +218,7 @@ class _Marks:
                          "to launch": (m["l0"] - t0) * 1e3,
                          "launch (host)": (m["l1"] - m["l0"]) * 1e3,
                          "device": m["e0"].elapsed_time(m["e1"]),
+                         "to graph": m["e0"].elapsed_time(m["g0"]) if "g0" in m else 0.0,
                          "launch end to read": (m["r0"] - m["l1"]) * 1e3,
                          "read": (m["r1"] - m["r0"]) * 1e3,
                          "read to caller": (t1 - m["r1"]) * 1e3}
@@ -290,6 +306,8 @@ def main() -> None:
                     help="the torch engine's option (default: the engine's)")
     ap.add_argument("--short-prefill-rows", type=int, default=None,
                     help="the torch engine's option (default: the engine's)")
+    ap.add_argument("--dependent-launches", type=int, choices=(0, 1), default=None,
+                    help="the torch engine's option (default: the engine's)")
     ap.add_argument("--short-tilings", default=None,
                     help="the short products' tilings, as bench_short_products.py --write "
                          "leaves them (JSON)")
@@ -306,7 +324,8 @@ def main() -> None:
         options = {k: v for k, v in (("fused_prefill_rows", args.fused_prefill_rows),
                                      ("prefill_graph_tokens", args.prefill_graph_tokens),
                                      ("split_prefill_keys", args.split_prefill_keys),
-                                     ("short_prefill_rows", args.short_prefill_rows))
+                                     ("short_prefill_rows", args.short_prefill_rows),
+                                     ("dependent_launches", args.dependent_launches))
                    if v is not None}
         if args.short_tilings:
             from llm_runner_svc.engines.torch_triton_modes import load_tilings
