@@ -156,8 +156,10 @@ class _Marks:
     """The engine's `launch` and `read` wrapped (CUDA): `row(run)` runs one request and
     returns where its time went: its wait to be scheduled (prefix lookup, pages), the
     engine's `launch` on the host, the device from the launch's start to its last kernel
-    (of which "to graph" passes before the prefill graph's replay starts: staging the
-    pass's inputs), and `read` (waiting for the pick)."""
+    (of which "to graph" passes before the prefill graph's replay starts: the host
+    staging the pass's inputs; on the host, "to stage" from the launch's start to the
+    staging, "stage" the staging itself, "replay (host)" the graph's launch call), and
+    `read` (waiting for the pick)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -187,29 +189,40 @@ class _Marks:
             return out
 
         replay = self.graphs.replay if self.graphs is not None else None
+        stage = self.graphs.stage if self.graphs is not None else None
 
         def timed_replay(bucket: int) -> None:
             m["g0"] = torch.cuda.Event(enable_timing=True)
             m["g0"].record()
             assert replay is not None
+            m["h0"] = time.perf_counter()
             replay(bucket)
+            m["h1"] = time.perf_counter()
+
+        def timed_stage(*args: Any) -> Any:
+            m["s0"] = time.perf_counter()
+            assert stage is not None
+            out = stage(*args)
+            m["s1"] = time.perf_counter()
+            return out
 
         self.engine.launch, self.engine.read = timed_launch, timed_read
         if self.graphs is not None:
-            self.graphs.replay = timed_replay
+            self.graphs.replay, self.graphs.stage = timed_replay, timed_stage
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.engine.launch, self.engine.read = self.launch, self.read
         if self.graphs is not None:
-            del self.graphs.replay
+            del self.graphs.replay, self.graphs.stage
 
     def row(self, fn: Callable[..., Any], *args: Any) -> tuple[RequestMetrics, dict[str, float]]:
         """`fn(*args)` (a `run`, or a call of one) and where its request's time went."""
         import torch
 
         m = self.m
-        m.pop("g0", None)
+        for k in ("g0", "s0", "s1", "h0", "h1"):
+            m.pop(k, None)
         t0 = time.perf_counter()
         metrics = fn(*args)[0]
         t1 = time.perf_counter()
@@ -219,6 +232,9 @@ class _Marks:
                          "launch (host)": (m["l1"] - m["l0"]) * 1e3,
                          "device": m["e0"].elapsed_time(m["e1"]),
                          "to graph": m["e0"].elapsed_time(m["g0"]) if "g0" in m else 0.0,
+                         "to stage": (m["s0"] - m["l0"]) * 1e3 if "s0" in m else 0.0,
+                         "stage": (m["s1"] - m["s0"]) * 1e3 if "s0" in m else 0.0,
+                         "replay (host)": (m["h1"] - m["h0"]) * 1e3 if "h0" in m else 0.0,
                          "launch end to read": (m["r0"] - m["l1"]) * 1e3,
                          "read": (m["r1"] - m["r0"]) * 1e3,
                          "read to caller": (t1 - m["r1"]) * 1e3}
@@ -306,8 +322,6 @@ def main() -> None:
                     help="the torch engine's option (default: the engine's)")
     ap.add_argument("--short-prefill-rows", type=int, default=None,
                     help="the torch engine's option (default: the engine's)")
-    ap.add_argument("--dependent-launches", type=int, choices=(0, 1), default=None,
-                    help="the torch engine's option (default: the engine's)")
     ap.add_argument("--short-tilings", default=None,
                     help="the short products' tilings, as bench_short_products.py --write "
                          "leaves them (JSON)")
@@ -324,8 +338,7 @@ def main() -> None:
         options = {k: v for k, v in (("fused_prefill_rows", args.fused_prefill_rows),
                                      ("prefill_graph_tokens", args.prefill_graph_tokens),
                                      ("split_prefill_keys", args.split_prefill_keys),
-                                     ("short_prefill_rows", args.short_prefill_rows),
-                                     ("dependent_launches", args.dependent_launches))
+                                     ("short_prefill_rows", args.short_prefill_rows))
                    if v is not None}
         if args.short_tilings:
             from llm_runner_svc.engines.torch_triton_modes import load_tilings

@@ -43,11 +43,6 @@ if [ "${TTFT:-1}" = 1 ]; then
     timeout 150 python3 benchmarks/bench_prefix_cache.py --engine torch \
         --shape qwen2.5-7b --rounds 5 --timeline --short-prefill-rows 0 ${TTFT_ARGS:-} \
         2>&1 | tee "$OUT/bench_prefix_cache_cublas.txt"
-    if [ "${PDL:-0}" = 1 ]; then
-        timeout 150 python3 benchmarks/bench_prefix_cache.py --engine torch \
-            --shape qwen2.5-7b --rounds 5 --timeline --gpu-profile --dependent-launches 1 \
-            "${tilings[@]}" ${TTFT_ARGS:-} 2>&1 | tee "$OUT/bench_prefix_cache_pdl.txt"
-    fi
     if [ -n "${PAUSE:-}" ]; then
         timeout 150 python3 benchmarks/bench_prefix_cache.py --engine torch \
             --shape qwen2.5-7b --rounds 5 --timeline --pause-ms "$PAUSE" "${tilings[@]}" \

@@ -101,8 +101,7 @@ class TorchEngine(TorchSteps):
                  split_prefill_keys: bool = True,
                  adapters: Sequence[LoraAdapter] = (),
                  short_prefill_rows: int = SHORT_PREFILL_ROWS,
-                 short_tilings: Mapping[Shape, Tiling] | None = None,
-                 dependent_launches: bool = False) -> None:
+                 short_tilings: Mapping[Shape, Tiling] | None = None) -> None:
         """`dtype`: "float32" or "bfloat16" (default: bf16 on CUDA, float32 on the CPU).
         `kernels`: "triton" (the CUDA default: fused kernels, decode steps as CUDA graphs), or
         "torch" for the plain reference ops, run eagerly.
@@ -131,12 +130,7 @@ class TorchEngine(TorchSteps):
         short products (torch_triton_short.py) those products that `short_tilings` holds a
         tiling for ((output columns, k, mode, norm inside) -> Tiling, as
         `bench_short_products.py --write` measures them; None: the measured
-        `SHORT_TILINGS`), the rest on cuBLASLt; 0: every product on the default cuBLAS.
-        `dependent_launches`: with triton kernels on a Hopper or later GPU, the norms,
-        RoPE, SiLU gate, prefill attention and short products launch as programmatic
-        dependents of the kernel before them (`torch_triton_kernels.await_inputs`): their
-        programs start while it finishes and wait for its writes, which hides part of the
-        gap between launches; elsewhere the option does nothing."""
+        `SHORT_TILINGS`), the rest on cuBLASLt; 0: every product on the default cuBLAS."""
         self.config = config
         self.device = resolve_device(device)
         default = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -162,7 +156,6 @@ class TorchEngine(TorchSteps):
             raise InvalidArgument(f"short_prefill_rows {short_prefill_rows}: 0 to 64")
         self.short_prefill_rows = short_prefill_rows
         self.short_tilings = dict(SHORT_TILINGS if short_tilings is None else short_tilings)
-        self.dependent_launches = dependent_launches
         self.fused_rows = fused_rows
         self.fused_prefill_rows = fused_prefill_rows
         self.weights = weights if isinstance(weights, TorchWeights) else load_weights(
@@ -201,8 +194,7 @@ class TorchEngine(TorchSteps):
 
             num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                        if self.device.type == "cuda" else 1)
-            ops = TritonOps(c, plan.page_size, num_sms, has_fused, self.split_prefill_keys,
-                            self._pdl())
+            ops = TritonOps(c, plan.page_size, num_sms, has_fused, self.split_prefill_keys)
             self._bytes += ops.reserve(plan.max_decode_rows, plan.max_seq, self.device)
         short = self._short_products()
         self.forward = Forward(c, self.weights, ops, self.state, plan.hidden_layer,
@@ -231,14 +223,6 @@ class TorchEngine(TorchSteps):
         self._bytes += self.picks.nbytes
         self._last_sampled: tuple[bool, ...] = ()  # which rows of the last forward picked
 
-    def _pdl(self) -> bool:
-        """Whether the triton kernels launch as programmatic dependents here."""
-        if not (self.dependent_launches and self.device.type == "cuda"):
-            return False
-        from llm_runner_svc.engines.torch_triton_kernels import supports_dependent_launch
-
-        return supports_dependent_launch(torch.cuda.get_device_capability(self.device))
-
     def _short_products(self) -> ShortProducts | None:
         """The short passes' products with their partials claimed (None: not used here):
         with triton kernels on bf16 weights (or on the CPU, where triton kernels run on
@@ -248,7 +232,7 @@ class TorchEngine(TorchSteps):
             return None
         from llm_runner_svc.engines.torch_triton_short import ShortProducts
 
-        short = ShortProducts(self.config.rms_eps, self.short_tilings, self._pdl())
+        short = ShortProducts(self.config.rms_eps, self.short_tilings)
         self._bytes += short.reserve(self.device)
         return short
 

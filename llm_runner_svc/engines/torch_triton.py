@@ -16,7 +16,6 @@ from llm_runner_svc.engines.torch_prefill import PrefillLayout
 from llm_runner_svc.engines.torch_triton_kernels import (
     argmax_kernel,
     decode_attention_kernel,
-    dependent,
     embed_kernel,
     rms_norm_kernel,
     rope_store_kernel,
@@ -42,15 +41,12 @@ def _pow2(n: int, least: int = 1) -> int:
 
 class TritonOps(TorchOps):
     def __init__(self, config: ModelConfig, page_size: int, num_sms: int,
-                 has_fused_products: bool, split_prefill_keys: bool = True,
-                 pdl: bool = False) -> None:
+                 has_fused_products: bool, split_prefill_keys: bool = True) -> None:
         """`has_fused_products`: the weights are bf16 and the forward may use
         `products` (see torch_triton_products.py). `split_prefill_keys`: short prefill
         passes share each query block's keys among several programs
-        (`prefill_splits`). `pdl`: the norms, RoPE, SiLU gate and prefill attention launch
-        as programmatic dependents of the kernel before them (`await_inputs`)."""
+        (`prefill_splits`)."""
         super().__init__(config, page_size)
-        self.pdl = pdl
         self.num_sms = num_sms
         self.split_prefill_keys = split_prefill_keys
         self._partials: PrefillPartials | None = None
@@ -94,13 +90,12 @@ class TritonOps(TorchOps):
         block = _pow2(d)
         rms_norm_kernel[(n,)](x, x.stride(0), weight, out, out.stride(0), d,
                               self.config.rms_eps, BLOCK=block,
-                              num_warps=8 if block > 2048 else 4, **dependent(self.pdl))
+                              num_warps=8 if block > 2048 else 4)
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
         n, ffn = out.shape
         silu_mul_kernel[(n, -(-ffn // SILU_BLOCK))](
-            gate_up, gate_up.stride(0), out, out.stride(0), ffn, BLOCK=SILU_BLOCK, num_warps=4,
-            **dependent(self.pdl))
+            gate_up, gate_up.stride(0), out, out.stride(0), ffn, BLOCK=SILU_BLOCK, num_warps=4)
 
     def rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
@@ -127,14 +122,14 @@ class TritonOps(TorchOps):
             c.rms_eps, NUM_HEADS=c.num_heads, NUM_KV=c.num_kv_heads, HD=c.head_dim,
             HD_P=self._hd_p, HALF=c.head_dim // 2,
             INTERLEAVED=c.rope_style is RopeStyle.INTERLEAVED, HAS_QK_NORM=has_norm,
-            FIRST_HEAD=first_head, num_warps=1, **dependent(self.pdl))
+            FIRST_HEAD=first_head, num_warps=1)
 
     def prefill_attention(self, qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                           layout: PrefillLayout, out: torch.Tensor) -> None:
         c = self.config
         launch_prefill_attention(qkv, k_pool, v_pool, layout.blocks, layout.tables, out,
                                  c.num_heads, c.num_kv_heads, c.head_dim, self.page_size,
-                                 layout.block, partials=self._partials, pdl=self.pdl)
+                                 layout.block, partials=self._partials)
 
     def prefill_block(self, num_tokens: int) -> int:
         return prefill_block(num_tokens)

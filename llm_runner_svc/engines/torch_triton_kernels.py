@@ -12,50 +12,13 @@ device memory and a CUDA graph can replay it at any length.
 
 from __future__ import annotations
 
-import functools
-
 import triton
 import triton.language as tl
 
 
-@functools.cache
-def supports_dependent_launch(capability: tuple[int, int]) -> bool:
-    """Whether kernels can be launched as programmatic dependents (PDL) on a GPU of
-    `capability`: Hopper or later, with a Triton that has the launch option and the
-    grid-dependency instructions."""
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return (capability >= (9, 0) and "launch_pdl" in CUDAOptions.__dataclass_fields__
-            and hasattr(tl.extra.cuda, "gdc_wait"))
-
-
-def dependent(pdl: bool) -> dict[str, bool]:
-    """The launch arguments of a kernel that takes PDL (`await_inputs`): launched as a
-    programmatic dependent of the kernel before it, or plainly (no arguments, which is
-    also what Triton's CPU interpreter takes)."""
-    return {"PDL": True, "launch_pdl": True} if pdl else {}
-
-
-@triton.jit
-def await_inputs(PDL: tl.constexpr):
-    """With PDL (launched as a programmatic dependent: its launch overlaps the end of the
-    kernel before), wait until that kernel has finished and its writes are visible. Every
-    program of such a kernel calls this first, before it reads or writes anything and
-    before any early return, so a kernel never finishes before the one it depends on. The
-    next kernel launches as this one's programs end: letting it launch earlier
-    (`gdc_launch_dependents` at the start) was measured slower, on an H100 at the 7B shape
-    (a reusing request's device time 6.48 ms against 6.35): the early programs wait on
-    the multiprocessors the kernel before still needs."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-
-
 @triton.jit
 def rms_norm_kernel(x_ptr, x_stride, w_ptr, out_ptr, out_stride, n_cols, eps,
-                    BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    await_inputs(PDL)
+                    BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -67,9 +30,7 @@ def rms_norm_kernel(x_ptr, x_stride, w_ptr, out_ptr, out_stride, n_cols, eps,
 
 
 @triton.jit
-def silu_mul_kernel(gu_ptr, gu_stride, out_ptr, out_stride, n_cols, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr = False):
-    await_inputs(PDL)
+def silu_mul_kernel(gu_ptr, gu_stride, out_ptr, out_stride, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -84,13 +45,11 @@ def rope_store_kernel(qkv_ptr, qkv_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr, 
                       v_pool_ptr, q_norm_ptr, k_norm_ptr, eps, NUM_HEADS: tl.constexpr,
                       NUM_KV: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr,
                       HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-                      HAS_QK_NORM: tl.constexpr, FIRST_HEAD: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      HAS_QK_NORM: tl.constexpr, FIRST_HEAD: tl.constexpr):
     """Grid (rows, heads + kv_heads - FIRST_HEAD): one head vector per program, rotated
     (q/k-normalized first, for such models) as decode attention rotates it; q in place, k
     and v into the pool at the row's slot. FIRST_HEAD = NUM_HEADS: the k and v only, q
     left unrotated (for a decode attention that rotates it)."""
-    await_inputs(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1) + FIRST_HEAD
     pos = tl.load(pos_ptr + row)

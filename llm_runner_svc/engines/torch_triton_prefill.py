@@ -24,8 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from llm_runner_svc.engines.torch_triton_kernels import await_inputs, dependent
-
 BF16, SPLIT, IEEE = 0, 1, 2
 _BF16, _SPLIT, _IEEE = tl.constexpr(BF16), tl.constexpr(SPLIT), tl.constexpr(IEEE)
 BLOCK_N = 64  # keys per tile, but for long bf16 batches (`tiles_for`)
@@ -89,8 +87,7 @@ def prefill_attention_kernel(qkv_ptr, qkv_stride, k_pool_ptr, v_pool_ptr, out_pt
                              part_rows, count_ptr, GROUP: tl.constexpr, KV_DIM: tl.constexpr,
                              HD: tl.constexpr, HD_P: tl.constexpr, PAGE: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-                             SPLITS: tl.constexpr, SELF_COMBINE: tl.constexpr,
-                             PDL: tl.constexpr = False):
+                             SPLITS: tl.constexpr, SELF_COMBINE: tl.constexpr):
     """Grid (heads, blocks, SPLITS): the heads of one block run side by side, so the GROUP
     heads that share a kv head read its tiles while they are in L2. `scale` is
     log2(e)/sqrt(hd). With SPLITS > 1, split s folds tiles s, s + SPLITS, ... and leaves
@@ -100,7 +97,6 @@ def prefill_attention_kernel(qkv_ptr, qkv_stride, k_pool_ptr, v_pool_ptr, out_pt
     head, zero between launches) and the last of a block's splits to finish merges them
     into the output and zeroes the count, so the merge costs no launch of its own; without,
     `combine_kernel` merges them."""
-    await_inputs(PDL)
     head = tl.program_id(0)
     blk = tl.program_id(1)
     split = tl.program_id(2)
@@ -184,13 +180,11 @@ def _merge_splits(part_ptr, ml_ptr, part_rows, row0, mmask, d, dmask, out_ptrs, 
 
 @triton.jit
 def combine_kernel(part_ptr, ml_ptr, part_rows, out_ptr, out_stride, HD: tl.constexpr,
-                   HD_P: tl.constexpr, SPLITS: tl.constexpr, TOKENS: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   HD_P: tl.constexpr, SPLITS: tl.constexpr, TOKENS: tl.constexpr):
     """Grid (cdiv(tokens, TOKENS), heads): the SPLITS partial sums of TOKENS queries of one
     head into their outputs. A split that saw no key left max -inf and denominator 0, so it
     weighs nothing; a padding token that no block holds reads stale partials and writes
     what it likes to its own row."""
-    await_inputs(PDL)
     toks = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -293,7 +287,7 @@ def launch_prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: to
                              page_size: int, block_m: int, tiles: Tiles | None = None,
                              partials: PrefillPartials | None = None,
                              splits: int | None = None, self_combine: bool = False,
-                             combine_tokens: int | None = None, pdl: bool = False) -> None:
+                             combine_tokens: int | None = None) -> None:
     """out [T, heads * hd] = causal attention of the q heads at the start of qkv rows over
     the pool, per the layout's `blocks` [B, 4] (of `block_m` queries) and `tables`
     [R, pages] (int64). `tiles`: (keys per tile, warps, stages), else `tiles_for`. With
@@ -304,8 +298,7 @@ def launch_prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     a layer, both launches counted, against 23.5 us, because the last split merges the
     partials of a whole block alone, after the others have finished. `splits` overrides
     the choice of splits (at most what `partials` holds rows for); `combine_tokens`, the
-    queries each combining program merges (a power of two; default COMBINE_TOKENS).
-    `pdl`: both launch as programmatic dependents (`await_inputs`)."""
+    queries each combining program merges (a power of two; default COMBINE_TOKENS)."""
     is_f32 = (k_pool.dtype == torch.float32, qkv.dtype == torch.float32)
     mode = IEEE if is_f32[0] else SPLIT if is_f32[1] else BF16
     hd_p = max(16, 1 << (head_dim - 1).bit_length())
@@ -322,10 +315,9 @@ def launch_prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: to
         tables.stride(0), LOG2E / math.sqrt(head_dim), part, ml, tokens, counts,
         GROUP=num_heads // num_kv_heads, KV_DIM=num_kv_heads * head_dim, HD=head_dim,
         HD_P=hd_p, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, MODE=mode,
-        SPLITS=splits, SELF_COMBINE=self_combine, num_warps=warps, num_stages=stages,
-        **dependent(pdl))
+        SPLITS=splits, SELF_COMBINE=self_combine, num_warps=warps, num_stages=stages)
     if splits > 1 and not self_combine:
         per = combine_tokens or COMBINE_TOKENS
         combine_kernel[(triton.cdiv(tokens, per), num_heads)](
             part, ml, tokens, out, out.stride(0), HD=head_dim, HD_P=hd_p, SPLITS=splits,
-            TOKENS=per, num_warps=4, **dependent(pdl))
+            TOKENS=per, num_warps=4)

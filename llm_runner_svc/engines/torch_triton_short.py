@@ -40,7 +40,6 @@ import torch
 import triton
 import triton.language as tl
 
-from llm_runner_svc.engines.torch_triton_kernels import await_inputs, dependent
 from llm_runner_svc.engines.torch_triton_modes import (
     ACCUMULATE,
     SILU_GATE,
@@ -68,15 +67,14 @@ def short_kernel(a_ptr, a_stride, w_ptr, bias_ptr, norm_ptr, out_ptr, out_stride
                  ss_ptr, count_ptr, M, N, K, k_per_split, eps, HAS_NORM: tl.constexpr,
                  HAS_BIAS: tl.constexpr, MODE: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-                 EVICT_W: tl.constexpr, PDL: tl.constexpr = False):
+                 EVICT_W: tl.constexpr):
     """Grid (cdiv(N, BN), SPLIT_K): program (t, s) multiplies rows 0..M-1 of a [M, K] by
     weight rows t BN .. t BN + BN - 1 of w [N, K] (for SILU_GATE w has 2 N rows, gate then
     up) over K positions s k_per_split .. (a multiple of BK). HAS_NORM: a is the float32
     residual, RMSNormed by `norm` on the way (see the module docstring). MODE: STORE,
     ACCUMULATE or SILU_GATE. With SPLIT_K > 1: `part` [halves, SPLIT_K, BM, N] (halves 2 for
     SILU_GATE, else 1) and `ss` [SPLIT_K, tiles, BM] float32, `count` [tiles] int32, zero
-    between launches. PDL: see `await_inputs`."""
-    await_inputs(PDL)
+    between launches."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rm = tl.arange(0, BM)
@@ -152,10 +150,8 @@ class ShortProducts:
     False, launching nothing, for a product without a tiling: the caller multiplies it on
     cuBLAS."""
 
-    def __init__(self, eps: float, tilings: Mapping[Shape, Tiling], pdl: bool = False) -> None:
-        """`pdl`: launch as programmatic dependents (torch_triton_kernels.await_inputs)."""
+    def __init__(self, eps: float, tilings: Mapping[Shape, Tiling]) -> None:
         self.eps = eps
-        self.pdl = pdl
         self.tilings = dict(tilings)
         for (n, k, _, _), t in self.tilings.items():
             if min(t[:4]) < 1 or t.stages < 1 or t.bn & (t.bn - 1) or t.bk & (t.bk - 1):
@@ -194,8 +190,7 @@ class ShortProducts:
             out, out.stride(0), part, ss, count, m, n, k, per_split, self.eps,
             HAS_NORM=norm is not None, HAS_BIAS=bias is not None, MODE=mode,
             BM=max(16, 1 << (m - 1).bit_length()), BN=t.bn, BK=t.bk, SPLIT_K=t.split_k,
-            EVICT_W=bool(t.evict), num_warps=t.warps, num_stages=t.stages,
-            **dependent(self.pdl))
+            EVICT_W=bool(t.evict), num_warps=t.warps, num_stages=t.stages)
         return True
 
     def norm_product(self, x: torch.Tensor, norm: torch.Tensor, w: torch.Tensor,

@@ -419,62 +419,6 @@ def test_short_products_against_the_precise_path(stories, split, norm_inside, ev
         _clear_leads_agree(logits, cublas_logits, 0.5)
 
 
-def _reuse_run(model, prompts: list[list[int]], **opts):
-    """Greedy tokens, first-step logits and hidden states of `prompts` run one after the
-    other through a runtime with the prefix cache on (the later ones reuse the first's
-    pages: short passes after a cached prefix), on bf16 weights."""
-    eng = create_engine("torch", model.config, model.weights, device="cuda", **opts)
-    rt = InferenceRuntime(eng, model.tokenizer, RuntimeConfig(
-        max_batch=2, max_seq=512, prefix_cache=True, prefix_cache_snapshots=64,
-        hidden_layer=-1))
-    rt.preallocate()
-    out = []
-    for i, prompt in enumerate(prompts):
-        req = GenerationRequest(f"r{i}", prompt, resolve(rt.config.sampling, temperature=0.0,
-                                                         max_new_tokens=24),
-                                ignore_eos=True, capture_hidden=True)
-        tokens, hidden = [], []
-        for ev in rt.generate(req):
-            tokens += ev.token_ids
-            hidden += ev.hidden
-        out.append((tokens, np.concatenate([h.states for h in hidden])))
-    assert rt.scheduler.cache is not None and rt.scheduler.cache.stats.hits == len(prompts) - 1
-    pdl = (eng.forward.ops.pdl, eng.forward.short.pdl if eng.forward.short else None)
-    rt.close()
-    return out, pdl
-
-
-def test_dependent_launches_change_no_bit(stories):
-    """With `dependent_launches` the triton kernels of prefill passes (norms, RoPE, the
-    split attention and its combining launch, the short products) start while the kernel
-    before them finishes and wait for its writes: requests that prefill whole, then reuse
-    a cached prefix (short passes on the short products), then decode give the same
-    tokens and the same hidden-state bytes as with plain launches."""
-    from llm_runner_svc.engines.torch_triton_kernels import supports_dependent_launch
-    from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE, Tiling
-
-    if not supports_dependent_launch(torch.cuda.get_device_capability()):
-        pytest.skip("programmatic dependent launch needs a Hopper or later GPU and Triton")
-    model = bf16_weights(stories)
-    c = model.config
-    tilings = {(c.q_dim + 2 * c.kv_dim, c.hidden_size, STORE, False): Tiling(16, 32, 2, 4, 3),
-               (c.intermediate_size, c.hidden_size, SILU_GATE, False): Tiling(16, 32, 2, 4, 3),
-               (c.hidden_size, c.intermediate_size, ACCUMULATE, False):
-                   Tiling(16, 32, 2, 4, 3, 1)}
-    gen = np.random.default_rng(4)
-    system = [int(t) for t in gen.integers(3, c.vocab_size, 300)]
-    prompts = [system + [int(t) for t in gen.integers(3, c.vocab_size, n)] for n in (40, 9, 50)]
-    opts = {"fused_prefill_rows": 0, "short_prefill_rows": 64, "short_tilings": tilings}
-    plain, flags = _reuse_run(model, prompts, **opts)
-    assert flags == (False, False)
-    dependent, flags = _reuse_run(model, prompts, dependent_launches=True, **opts)
-    assert flags == (True, True)
-    for (tokens, states), (want_tokens, want_states) in zip(dependent, plain, strict=True):
-        assert len(tokens) == 24
-        assert tokens == want_tokens
-        assert states.tobytes() == want_states.tobytes()
-
-
 @pytest.mark.parametrize("mode", ["bf16", "split", "ieee"])
 def test_split_prefill_keys_against_one_program_per_block(mode):
     """A short pass after long prefixes (the cached-prompt case) spreads each query block's
