@@ -81,11 +81,12 @@ class PagePool:
 
     def revive(self, pages: Sequence[int]) -> None:
         """Another holder for each of `pages`, kept pages held or idle."""
-        kept, idle, refs = self._kept, self._idle, self._refs
+        if not self._kept.issuperset(pages):
+            page = next(p for p in pages if p not in self._kept)
+            raise Internal(f"page {page} is revived but not kept")
+        drop, refs = self._idle.pop, self._refs
         for page in pages:
-            if page not in kept:
-                raise Internal(f"page {page} is revived but not kept")
-            idle.pop(page, None)
+            drop(page, None)
             refs[page] += 1
 
     def share(self, pages: Sequence[int]) -> list[int]:

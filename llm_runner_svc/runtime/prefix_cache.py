@@ -153,20 +153,20 @@ class PrefixCache:
         keys: list[Key] = []
         parent = self.adapter_root(adapter)
         full = (len(tokens) - 1) // ps
-        ids, width = packed_range(tokens, head, 0, full * ps), 4 * ps
-        records = self._names  # (a 2,000-token prompt looks up 125 pages)
-        for i in range(full):
+        width = 4 * ps
+        ids = packed_range(tokens, head, 0, full * ps)
+        get, touch = self._names.get, self._names.move_to_end  # (125 pages: a 2,000-token
+        for lo in range(0, full * width, width):  # prompt; this loop is most of a lookup)
             if media:
-                parent += media_marks(media, i * ps, (i + 1) * ps)
-            key = (parent, ids[i * width:(i + 1) * width])
-            rec = records.get(key)
+                parent += media_marks(media, lo // 4, lo // 4 + ps)
+            key = (parent, ids[lo:lo + width])
+            rec = get(key)
             if rec is None or rec.launch > launches or (hidden and rec.hidden is None):
                 break
+            touch(key)
             pages.append(rec.page)
             keys.append(key)
             parent = rec.name
-        for key in keys:
-            records.move_to_end(key)
         self.pool.revive(pages)
         return pages, keys
 
