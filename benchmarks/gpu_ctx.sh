@@ -8,11 +8,15 @@
 # kernel profile), then with every product on the default cuBLAS (--short-prefill-rows 0),
 # in the same call; then the attention of a short pass after a cached prompt
 # (bench_attention.py --after: splits, tiles, merged by the last split or by a second
-# launch). Logs go to $OUT.
+# launch). Logs go to $OUT; the SM clock and power are sampled every 20 ms through the TTFT
+# runs ($OUT/clocks.csv).
 #   TESTS=0 skips the tests, SHORT=0 the tilings sweep (the TTFT runs on the engine's
-#   measured default then), TTFT=0 the TTFT runs, ATTN=0 the attention sweep; L2=1 adds the L2 reads
-#   beside the attention (bench_l2_prefetch.py);
-#   TEST_K: which GPU tests (pytest -k); TTFT_ARGS: more arguments for bench_prefix_cache.py.
+#   measured default then), TTFT=0 the TTFT runs, ATTN=0 the attention sweep; L2=1 adds the
+#   L2 reads beside the attention (bench_l2_prefetch.py);
+#   TEST_K: which GPU tests (pytest -k); SHORT_PRODUCTS: which products the sweep times
+#   (default all four); TTFT_ARGS: more arguments for bench_prefix_cache.py; PAUSE=MS adds a
+#   TTFT run whose reusing requests come MS after the cold ones, the device idle between;
+#   ALT="ARGS" adds one with those arguments (another engine setting against the default).
 set -uo pipefail
 # shellcheck source=benchmarks/gpu_env.sh
 . benchmarks/gpu_env.sh
@@ -43,6 +47,12 @@ if [ "${TTFT:-1}" = 1 ]; then
     timeout 150 python3 benchmarks/bench_prefix_cache.py --engine torch \
         --shape qwen2.5-7b --rounds 5 --timeline --short-prefill-rows 0 ${TTFT_ARGS:-} \
         2>&1 | tee "$OUT/bench_prefix_cache_cublas.txt"
+    if [ -n "${ALT:-}" ]; then
+        # shellcheck disable=SC2086
+        timeout 150 python3 benchmarks/bench_prefix_cache.py --engine torch \
+            --shape qwen2.5-7b --rounds 5 --timeline "${tilings[@]}" $ALT ${TTFT_ARGS:-} \
+            2>&1 | tee "$OUT/bench_prefix_cache_alt.txt"
+    fi
     if [ -n "${PAUSE:-}" ]; then
         timeout 150 python3 benchmarks/bench_prefix_cache.py --engine torch \
             --shape qwen2.5-7b --rounds 5 --timeline --pause-ms "$PAUSE" "${tilings[@]}" \

@@ -66,3 +66,64 @@ def test_split_keys_merge_to_the_reference(self_combine, combine_tokens, request
                 err = (out[first:first + count].double() - want).abs().max().item()
                 assert err < 1e-5, (pad, splits, i, err)
             assert int(partials.counts.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("qk_norm, interleaved", [(False, False), (True, True)])
+def test_rotating_inside_matches_rope_store_first(qk_norm, interleaved, request):
+    """A pass whose every chunk is one block may rotate q and k and store the chunk's k and v
+    inside the attention launch: the same output and the same pool, bit for bit, as
+    `rope_store_kernel` first and the attention after, split or not, padded or not (q/k
+    norm and interleaved pairs too); the pool past the chunks' slots is left alone."""
+    if rerun_interpreted(request):
+        return
+    from llm_runner_svc.engines.torch_ops import Rope, rope_tables
+    from llm_runner_svc.engines.torch_prefill import PrefillChunk, PrefillStager
+    from llm_runner_svc.engines.torch_triton_kernels import rope_store_kernel
+    from llm_runner_svc.engines.torch_triton_prefill import (
+        PrefillPartials,
+        launch_prefill_attention,
+    )
+
+    heads, kv_heads, hd, page, pages, eps = 4, 2, 16, 16, 40, 1e-6
+    cpu = torch.device("cpu")
+    gen = torch.Generator().manual_seed(7)
+    k_pool = torch.randn(pages * page + page, kv_heads * hd, generator=gen)
+    v_pool = torch.randn(pages * page + page, kv_heads * hd, generator=gen)
+    order = torch.randperm(pages - 1, generator=gen).tolist()
+    chunks = [PrefillChunk([0] * 13, 300, order[:20], 0),  # 13 queries after 300 keys
+              PrefillChunk([0] * 5, 3, order[20:21], 1),  # a chunk within one page
+              PrefillChunk([0] * 16, 200, order[21:35], 2)]  # a whole block
+    cos, sin = rope_tables(512, hd, 10000.0, cpu)
+    norms = (torch.rand(hd, generator=gen) + 0.5, torch.rand(hd, generator=gen) + 0.5)
+    rope = Rope(cos, sin, *(norms if qk_norm else (None, None)))
+    stager = PrefillStager(max_tokens=64, max_chunks=4, pages=24, page_size=page,
+                           scratch_page=pages, device=cpu)
+    partials = PrefillPartials(heads, hd, 8, cpu, rows=8 * 64)
+    for pad in (0, 48):
+        layout = stager.stage(chunks, 16, pad_tokens=pad)
+        n = layout.num_tokens
+        qkv = torch.randn(n, (heads + 2 * kv_heads) * hd, generator=gen)
+        for splits in (1, 4):
+            first_qkv, first_k, first_v = qkv.clone(), k_pool.clone(), v_pool.clone()
+            rope_store_kernel[(n, heads + kv_heads)](
+                first_qkv, first_qkv.stride(0), layout.positions, layout.slots, cos, sin,
+                first_k, first_v, norms[0], norms[1], eps, NUM_HEADS=heads, NUM_KV=kv_heads,
+                HD=hd, HD_P=hd, HALF=hd // 2, INTERLEAVED=interleaved, HAS_QK_NORM=qk_norm,
+                FIRST_HEAD=0, num_warps=1)
+            want = torch.zeros(n, heads * hd)
+            launch_prefill_attention(first_qkv, first_k, first_v, layout.blocks,
+                                     layout.tables, want, heads, kv_heads, hd, page,
+                                     layout.block, (16, 4, 1), partials, splits)
+            inside_qkv, inside_k, inside_v = qkv.clone(), k_pool.clone(), v_pool.clone()
+            got = torch.zeros(n, heads * hd)
+            launch_prefill_attention(inside_qkv, inside_k, inside_v, layout.blocks,
+                                     layout.tables, got, heads, kv_heads, hd, page,
+                                     layout.block, (16, 4, 1), partials, splits, rope=rope,
+                                     slots=layout.slots, eps=eps, interleaved=interleaved)
+            for first, count, _ in layout.spans:
+                assert torch.equal(got[first:first + count], want[first:first + count])
+            pool = slice(0, pages * page)  # (padding tokens of the first way: scratch page)
+            assert torch.equal(inside_k[pool], first_k[pool])
+            assert torch.equal(inside_v[pool], first_v[pool])
+            assert not torch.equal(inside_k[pool], k_pool[pool])  # the chunks' k was stored
+            assert torch.equal(inside_qkv, qkv)  # q rotated in registers only
