@@ -322,8 +322,6 @@ def main() -> None:
                     help="the torch engine's option (default: the engine's)")
     ap.add_argument("--short-prefill-rows", type=int, default=None,
                     help="the torch engine's option (default: the engine's)")
-    ap.add_argument("--rope-in-prefill", type=int, choices=(0, 1), default=None,
-                    help="the torch engine's option (default: the engine's)")
     ap.add_argument("--short-tilings", default=None,
                     help="the short products' tilings, as bench_short_products.py --write "
                          "leaves them (JSON)")
@@ -340,8 +338,7 @@ def main() -> None:
         options = {k: v for k, v in (("fused_prefill_rows", args.fused_prefill_rows),
                                      ("prefill_graph_tokens", args.prefill_graph_tokens),
                                      ("split_prefill_keys", args.split_prefill_keys),
-                                     ("short_prefill_rows", args.short_prefill_rows),
-                                     ("rope_in_prefill", args.rope_in_prefill))
+                                     ("short_prefill_rows", args.short_prefill_rows))
                    if v is not None}
         if args.short_tilings:
             from llm_runner_svc.engines.torch_triton_modes import load_tilings

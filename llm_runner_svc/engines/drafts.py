@@ -89,8 +89,7 @@ def _torch_first_layers(target: Any, num_layers: int) -> Engine:
     w = target.weights
     settings = {name: getattr(target, name) for name in (
         "kernels", "fused_rows", "fused_prefill_rows", "mixed_steps", "prefill_graph_tokens",
-        "split_prefill_keys", "short_prefill_rows", "short_tilings", "rope_in_prefill")
-        if hasattr(target, name)}
+        "split_prefill_keys", "short_prefill_rows", "short_tilings") if hasattr(target, name)}
     dtype = "bfloat16" if target.dtype.itemsize == 2 else "float32"
     return TorchEngine(replace(target.config, num_layers=num_layers),
                        TorchWeights(w.embedding, w.lm_head, w.final_norm,

@@ -101,8 +101,7 @@ class TorchEngine(TorchSteps):
                  split_prefill_keys: bool = True,
                  adapters: Sequence[LoraAdapter] = (),
                  short_prefill_rows: int = SHORT_PREFILL_ROWS,
-                 short_tilings: Mapping[Shape, Tiling] | None = None,
-                 rope_in_prefill: bool = True) -> None:
+                 short_tilings: Mapping[Shape, Tiling] | None = None) -> None:
         """`dtype`: "float32" or "bfloat16" (default: bf16 on CUDA, float32 on the CPU).
         `kernels`: "triton" (the CUDA default: fused kernels, decode steps as CUDA graphs), or
         "torch" for the plain reference ops, run eagerly.
@@ -131,10 +130,7 @@ class TorchEngine(TorchSteps):
         short products (torch_triton_short.py) those products that `short_tilings` holds a
         tiling for ((output columns, k, mode, norm inside) -> Tiling, as
         `bench_short_products.py --write` measures them; None: the measured
-        `SHORT_TILINGS`), the rest on cuBLASLt; 0: every product on the default cuBLAS.
-        `rope_in_prefill`: with triton kernels, prefill passes of at most one attention
-        block's tokens (64) rotate q and k and store k and v inside the attention launch
-        instead of a launch of their own before it (torch_triton_prefill.py)."""
+        `SHORT_TILINGS`), the rest on cuBLASLt; 0: every product on the default cuBLAS."""
         self.config = config
         self.device = resolve_device(device)
         default = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -160,7 +156,6 @@ class TorchEngine(TorchSteps):
             raise InvalidArgument(f"short_prefill_rows {short_prefill_rows}: 0 to 64")
         self.short_prefill_rows = short_prefill_rows
         self.short_tilings = dict(SHORT_TILINGS if short_tilings is None else short_tilings)
-        self.rope_in_prefill = rope_in_prefill
         self.fused_rows = fused_rows
         self.fused_prefill_rows = fused_prefill_rows
         self.weights = weights if isinstance(weights, TorchWeights) else load_weights(
@@ -199,8 +194,7 @@ class TorchEngine(TorchSteps):
 
             num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                        if self.device.type == "cuda" else 1)
-            ops = TritonOps(c, plan.page_size, num_sms, has_fused, self.split_prefill_keys,
-                            self.rope_in_prefill)
+            ops = TritonOps(c, plan.page_size, num_sms, has_fused, self.split_prefill_keys)
             self._bytes += ops.reserve(plan.max_decode_rows, plan.max_seq, self.device)
         short = self._short_products()
         self.forward = Forward(c, self.weights, ops, self.state, plan.hidden_layer,

@@ -333,17 +333,13 @@ class Forward:
         token are staged when `capture`."""
         s, n = self.s, layout.num_tokens
 
-        inside = self.ops.rotates_in_prefill_attention(layout)
-
         def attend(li: int, qkv: torch.Tensor, out: torch.Tensor) -> None:
-            self.ops.prefill_attention(qkv, s.k_pool[li], s.v_pool[li], layout, out,
-                                       self._ropes[li] if inside else None)
+            self.ops.prefill_attention(qkv, s.k_pool[li], s.v_pool[li], layout, out)
 
         self.embed(layout.ids, n, capture)
         self.override(overrides, capture)
         short = self.short if not lora and n <= self.short_rows else None
         with _cublaslt(short is not None and s.x.is_cuda):
-            slots = None if inside else layout.slots  # None: `attend` rotates and stores
-            self.layers(n, layout.positions, slots, attend, capture,
+            self.layers(n, layout.positions, layout.slots, attend, capture,
                         self.fuses(n, is_decode=False), lora, short=short)
         s.x_last.index_copy_(0, layout.dest, s.x[:n].index_select(0, layout.last))

@@ -150,18 +150,11 @@ class TorchOps:
         probs = torch.softmax(scores, dim=-1)
         out.copy_((probs @ vals.permute(0, 2, 1, 3)).reshape(b, c.q_dim))
 
-    def rotates_in_prefill_attention(self, layout: PrefillLayout) -> bool:
-        """Whether `prefill_attention` of `layout` rotates q and k and stores k and v itself
-        (given the layer's `Rope`), so that `rope_store` need not run first."""
-        return False
-
     def prefill_attention(self, qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                          layout: PrefillLayout, out: torch.Tensor,
-                          rope: Rope | None = None) -> None:
+                          layout: PrefillLayout, out: torch.Tensor) -> None:
         """Causal attention of every chunk of a staged prefill batch: the q of qkv
-        [T, q + 2 kv] (rotated, its k and v already in the pool; with `rope`, where
-        `rotates_in_prefill_attention`, not yet) over each chunk's pool rows 0 .. its last
-        position; out [T, q_dim]. One chunk at a time, in float32."""
+        [T, q + 2 kv] (rotated, its k and v already in the pool) over each chunk's pool rows
+        0 .. its last position; out [T, q_dim]. One chunk at a time, in float32."""
         c = self.config
         for i, (first, n, start) in enumerate(layout.spans):
             q = qkv[first:first + n, :c.q_dim]

@@ -41,15 +41,12 @@ def _pow2(n: int, least: int = 1) -> int:
 
 class TritonOps(TorchOps):
     def __init__(self, config: ModelConfig, page_size: int, num_sms: int,
-                 has_fused_products: bool, split_prefill_keys: bool = True,
-                 rope_in_prefill: bool = True) -> None:
+                 has_fused_products: bool, split_prefill_keys: bool = True) -> None:
         """`has_fused_products`: the weights are bf16 and the forward may use
         `products` (see torch_triton_products.py). `split_prefill_keys`: short prefill
         passes share each query block's keys among several programs
-        (`prefill_splits`). `rope_in_prefill`: passes whose every chunk is one query block
-        rotate q and k and store k and v inside the attention launch."""
+        (`prefill_splits`)."""
         super().__init__(config, page_size)
-        self.rope_in_prefill = rope_in_prefill
         self.num_sms = num_sms
         self.split_prefill_keys = split_prefill_keys
         self._partials: PrefillPartials | None = None
@@ -127,19 +124,12 @@ class TritonOps(TorchOps):
             INTERLEAVED=c.rope_style is RopeStyle.INTERLEAVED, HAS_QK_NORM=has_norm,
             FIRST_HEAD=first_head, num_warps=1)
 
-    def rotates_in_prefill_attention(self, layout: PrefillLayout) -> bool:
-        """Passes of at most one block's tokens: every chunk is one block."""
-        return self.rope_in_prefill and layout.num_tokens <= layout.block
-
     def prefill_attention(self, qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                          layout: PrefillLayout, out: torch.Tensor,
-                          rope: Rope | None = None) -> None:
+                          layout: PrefillLayout, out: torch.Tensor) -> None:
         c = self.config
         launch_prefill_attention(qkv, k_pool, v_pool, layout.blocks, layout.tables, out,
                                  c.num_heads, c.num_kv_heads, c.head_dim, self.page_size,
-                                 layout.block, partials=self._partials, rope=rope,
-                                 slots=layout.slots, eps=c.rms_eps,
-                                 interleaved=c.rope_style is RopeStyle.INTERLEAVED)
+                                 layout.block, partials=self._partials)
 
     def prefill_block(self, num_tokens: int) -> int:
         return prefill_block(num_tokens)

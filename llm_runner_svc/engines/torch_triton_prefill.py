@@ -14,14 +14,6 @@ What the products multiply depends on the operands (MODE):
   probabilities go in as bf16 pairs (high part and remainder), so about 16 mantissa bits
   survive, as in decode attention (the windows that keep float32 activations).
 - IEEE: float32 q over a float32 pool (the float32 engine), exact float32 products.
-
-With ROPE (a pass whose every chunk is one query block: a short pass), the launch also
-does what `rope_store_kernel` would have done first: each program rotates its queries as
-it loads them (q/k-normalized first, for such models), a tile holding the chunk's own
-positions takes their keys and values from the pass's qkv rows, rotated, instead of from
-the pool, and one program per chunk and kv head (split 0 of the group's first head)
-writes them to the pool for later passes. No program of the launch reads what another
-writes, and the pass saves a launch and its gap per layer.
 """
 
 from __future__ import annotations
@@ -31,9 +23,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from llm_runner_svc.engines.torch_ops import Rope
-from llm_runner_svc.engines.torch_triton_kernels import _rope_pairs, _rotate
 
 BF16, SPLIT, IEEE = 0, 1, 2
 _BF16, _SPLIT, _IEEE = tl.constexpr(BF16), tl.constexpr(SPLIT), tl.constexpr(IEEE)
@@ -54,31 +43,12 @@ def _dot(a, b, MODE: tl.constexpr):
 
 
 @triton.jit
-def _rotated_rows(qkv_ptr, qkv_stride, rows, pos, live, head, d, dmask, cos_ptr, sin_ptr,
-                  norm_ptr, eps, HD: tl.constexpr, HALF: tl.constexpr,
-                  INTERLEAVED: tl.constexpr, HAS_QK_NORM: tl.constexpr):
-    """Head `head` of qkv rows `rows` [R] (at positions `pos` [R], `live` [R] the rows
-    that exist), rotated as `rope_store_kernel` rotates it, in float32 [R, HD_P]."""
-    partner, sign, cs, sn = _rope_pairs(d[None, :], tl.where(live, pos, 0)[:, None], cos_ptr,
-                                        sin_ptr, HALF, INTERLEAVED)
-    base = qkv_ptr + rows[:, None].to(tl.int64) * qkv_stride + head * HD
-    mask = live[:, None] & dmask[None, :]
-    x = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(base + partner, mask=mask, other=0.0).to(tl.float32)
-    return _rotate(x, xp, sign, cs, sn, norm_ptr, d[None, :], partner, dmask[None, :], eps,
-                   HD, HAS_QK_NORM)
-
-
-@triton.jit
 def _tile(acc, m_i, l_i, q, n0, q_pos, end, table, k_pool_ptr, v_pool_ptr, kvh, d, dmask,
-          scale, qkv_ptr, qkv_stride, first, pos0, num_heads, cos_ptr, sin_ptr, k_norm_ptr,
-          eps, KV_DIM: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr,
+          scale, KV_DIM: tl.constexpr, HD: tl.constexpr, HD_P: tl.constexpr,
           PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-          IS_DIAGONAL: tl.constexpr, ROPE: tl.constexpr, HALF: tl.constexpr,
-          INTERLEAVED: tl.constexpr, HAS_QK_NORM: tl.constexpr):
+          IS_DIAGONAL: tl.constexpr):
     """Fold keys n0 .. n0 + BLOCK_N - 1 into the block's running softmax; on the diagonal
-    a query sees only keys at or before its position, and none past `end`. With ROPE the
-    chunk's own positions (from `pos0`, its rows from qkv row `first`) come from qkv."""
+    a query sees only keys at or before its position, and none past `end`."""
     offs = n0 + tl.arange(0, BLOCK_N)
     nmask = offs < end
     if IS_DIAGONAL:
@@ -87,21 +57,7 @@ def _tile(acc, m_i, l_i, q, n0, q_pos, end, table, k_pool_ptr, v_pool_ptr, kvh, 
         page = tl.load(table + offs // PAGE)
     rows = page * PAGE + offs % PAGE
     kv_off = rows[:, None] * KV_DIM + kvh * HD + d[None, :]
-    if IS_DIAGONAL and ROPE:
-        old = nmask & (offs < pos0)
-        new = nmask & (offs >= pos0)
-        k = tl.load(k_pool_ptr + kv_off, mask=old[:, None] & dmask[None, :], other=0.0)
-        v = tl.load(v_pool_ptr + kv_off, mask=old[:, None] & dmask[None, :], other=0.0)
-        rows = first + offs - pos0
-        k_new = _rotated_rows(qkv_ptr, qkv_stride, rows, offs, new, num_heads + kvh, d, dmask,
-                              cos_ptr, sin_ptr, k_norm_ptr, eps, HD, HALF, INTERLEAVED,
-                              HAS_QK_NORM)
-        v_new = tl.load(qkv_ptr + rows[:, None].to(tl.int64) * qkv_stride
-                        + (num_heads + KV_DIM // HD + kvh) * HD + d[None, :],
-                        mask=new[:, None] & dmask[None, :], other=0.0)
-        k = tl.where(new[:, None], k_new.to(k.dtype), k)
-        v = tl.where(new[:, None], v_new.to(v.dtype), v)
-    elif IS_DIAGONAL:
+    if IS_DIAGONAL:
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_pool_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, HD_P]
         v = tl.load(v_pool_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -128,13 +84,10 @@ def _tile(acc, m_i, l_i, q, n0, q_pos, end, table, k_pool_ptr, v_pool_ptr, kvh, 
 @triton.jit
 def prefill_attention_kernel(qkv_ptr, qkv_stride, k_pool_ptr, v_pool_ptr, out_ptr, out_stride,
                              blocks_ptr, tables_ptr, table_stride, scale, part_ptr, ml_ptr,
-                             part_rows, count_ptr, slot_ptr, cos_ptr, sin_ptr, q_norm_ptr,
-                             k_norm_ptr, eps, GROUP: tl.constexpr, KV_DIM: tl.constexpr,
+                             part_rows, count_ptr, GROUP: tl.constexpr, KV_DIM: tl.constexpr,
                              HD: tl.constexpr, HD_P: tl.constexpr, PAGE: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-                             SPLITS: tl.constexpr, SELF_COMBINE: tl.constexpr,
-                             ROPE: tl.constexpr, HALF: tl.constexpr,
-                             INTERLEAVED: tl.constexpr, HAS_QK_NORM: tl.constexpr):
+                             SPLITS: tl.constexpr, SELF_COMBINE: tl.constexpr):
     """Grid (heads, blocks, SPLITS): the heads of one block run side by side, so the GROUP
     heads that share a kv head read its tiles while they are in L2. `scale` is
     log2(e)/sqrt(hd). With SPLITS > 1, split s folds tiles s, s + SPLITS, ... and leaves
@@ -143,8 +96,7 @@ def prefill_attention_kernel(qkv_ptr, qkv_stride, k_pool_ptr, v_pool_ptr, out_pt
     SELF_COMBINE, each split then counts itself in (`count_ptr`, one int32 per block and
     head, zero between launches) and the last of a block's splits to finish merges them
     into the output and zeroes the count, so the merge costs no launch of its own; without,
-    `combine_kernel` merges them. ROPE: see the module docstring (`slot_ptr`: each token's
-    pool row; the rest as `rope_store_kernel` takes them)."""
+    `combine_kernel` merges them."""
     head = tl.program_id(0)
     blk = tl.program_id(1)
     split = tl.program_id(2)
@@ -161,25 +113,9 @@ def prefill_attention_kernel(qkv_ptr, qkv_stride, k_pool_ptr, v_pool_ptr, out_pt
     mmask = m < count
     dmask = d < HD
     q_pos = pos0 + m
+    q_off = (first + m)[:, None] * qkv_stride + head * HD + d[None, :]
     q_mask = mmask[:, None] & dmask[None, :]
-    if ROPE:
-        q = _rotated_rows(qkv_ptr, qkv_stride, first + m, q_pos, mmask, head, d, dmask,
-                          cos_ptr, sin_ptr, q_norm_ptr, eps, HD, HALF, INTERLEAVED,
-                          HAS_QK_NORM).to(qkv_ptr.dtype.element_ty)
-        if (split == 0) & (head % GROUP == 0):  # the chunk's k and v, for later passes
-            k_new = _rotated_rows(qkv_ptr, qkv_stride, first + m, q_pos, mmask,
-                                  num_heads + kvh, d, dmask, cos_ptr, sin_ptr, k_norm_ptr,
-                                  eps, HD, HALF, INTERLEAVED, HAS_QK_NORM)
-            v_new = tl.load(qkv_ptr + (first + m)[:, None].to(tl.int64) * qkv_stride
-                            + (num_heads + KV_DIM // HD + kvh) * HD + d[None, :],
-                            mask=q_mask, other=0.0)
-            dst = (tl.load(slot_ptr + first + m, mask=mmask, other=0)[:, None] * KV_DIM
-                   + kvh * HD + d[None, :])
-            tl.store(k_pool_ptr + dst, k_new.to(k_pool_ptr.dtype.element_ty), mask=q_mask)
-            tl.store(v_pool_ptr + dst, v_new.to(v_pool_ptr.dtype.element_ty), mask=q_mask)
-    else:
-        q_off = (first + m)[:, None] * qkv_stride + head * HD + d[None, :]
-        q = tl.load(qkv_ptr + q_off, mask=q_mask, other=0.0)
+    q = tl.load(qkv_ptr + q_off, mask=q_mask, other=0.0)
     table = tables_ptr + chunk * table_stride
     end = pos0 + count
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -188,18 +124,14 @@ def prefill_attention_kernel(qkv_ptr, qkv_stride, k_pool_ptr, v_pool_ptr, out_pt
     full = pos0 // BLOCK_N * BLOCK_N  # tiles below this are visible to every query
     for n0 in range(split * BLOCK_N, full, SPLITS * BLOCK_N):
         acc, m_i, l_i = _tile(acc, m_i, l_i, q, n0, q_pos, end, table, k_pool_ptr,
-                              v_pool_ptr, kvh, d, dmask, scale, qkv_ptr, qkv_stride, first,
-                              pos0, num_heads, cos_ptr, sin_ptr, k_norm_ptr, eps, KV_DIM, HD,
-                              HD_P, PAGE, BLOCK_N, MODE, False, ROPE, HALF, INTERLEAVED,
-                              HAS_QK_NORM)
+                              v_pool_ptr, kvh, d, dmask, scale, KV_DIM, HD, HD_P, PAGE, BLOCK_N,
+                              MODE, False)
     full_tiles = full // BLOCK_N
     diagonal = full_tiles + (split + SPLITS - full_tiles % SPLITS) % SPLITS  # this split's first
     for n0 in range(diagonal * BLOCK_N, end, SPLITS * BLOCK_N):
         acc, m_i, l_i = _tile(acc, m_i, l_i, q, n0, q_pos, end, table, k_pool_ptr,
-                              v_pool_ptr, kvh, d, dmask, scale, qkv_ptr, qkv_stride, first,
-                              pos0, num_heads, cos_ptr, sin_ptr, k_norm_ptr, eps, KV_DIM, HD,
-                              HD_P, PAGE, BLOCK_N, MODE, True, ROPE, HALF, INTERLEAVED,
-                              HAS_QK_NORM)
+                              v_pool_ptr, kvh, d, dmask, scale, KV_DIM, HD, HD_P, PAGE, BLOCK_N,
+                              MODE, True)
     if SPLITS == 1:
         out_off = (first + m)[:, None] * out_stride + head * HD + d[None, :]
         tl.store(out_ptr + out_off, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
@@ -355,9 +287,7 @@ def launch_prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: to
                              page_size: int, block_m: int, tiles: Tiles | None = None,
                              partials: PrefillPartials | None = None,
                              splits: int | None = None, self_combine: bool = False,
-                             combine_tokens: int | None = None, rope: Rope | None = None,
-                             slots: torch.Tensor | None = None, eps: float = 0.0,
-                             interleaved: bool = False) -> None:
+                             combine_tokens: int | None = None) -> None:
     """out [T, heads * hd] = causal attention of the q heads at the start of qkv rows over
     the pool, per the layout's `blocks` [B, 4] (of `block_m` queries) and `tables`
     [R, pages] (int64). `tiles`: (keys per tile, warps, stages), else `tiles_for`. With
@@ -368,11 +298,7 @@ def launch_prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     a layer, both launches counted, against 23.5 us, because the last split merges the
     partials of a whole block alone, after the others have finished. `splits` overrides
     the choice of splits (at most what `partials` holds rows for); `combine_tokens`, the
-    queries each combining program merges (a power of two; default COMBINE_TOKENS).
-    With `rope` (and `slots` [T], each token's pool row; `eps`, the q/k norm's; `interleaved`,
-    the rotation's pairing), q and k are still unrotated and the chunk's k and v not yet in
-    the pool: the launch rotates and stores them (ROPE in the module docstring), which
-    needs every chunk to be one block (at most `block_m` tokens)."""
+    queries each combining program merges (a power of two; default COMBINE_TOKENS)."""
     is_f32 = (k_pool.dtype == torch.float32, qkv.dtype == torch.float32)
     mode = IEEE if is_f32[0] else SPLIT if is_f32[1] else BF16
     hd_p = max(16, 1 << (head_dim - 1).bit_length())
@@ -384,20 +310,12 @@ def launch_prefill_attention(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     block_n, warps, stages = tiles or tiles_for(block_m, mode, splits)
     part, ml, counts = ((partials.part, partials.ml, partials.counts) if partials is not None
                         else (out, out, blocks))
-    has_norm = rope is not None and rope.q_norm is not None and rope.k_norm is not None
-    if rope is not None:
-        assert slots is not None, "rotating inside the attention needs the tokens' slots"
     prefill_attention_kernel[(num_heads, blocks.shape[0], splits)](
         qkv, qkv.stride(0), k_pool, v_pool, out, out.stride(0), blocks, tables,
         tables.stride(0), LOG2E / math.sqrt(head_dim), part, ml, tokens, counts,
-        slots if slots is not None else blocks, rope.cos if rope is not None else out,
-        rope.sin if rope is not None else out,
-        rope.q_norm if has_norm and rope is not None else out,
-        rope.k_norm if has_norm and rope is not None else out, eps,
         GROUP=num_heads // num_kv_heads, KV_DIM=num_kv_heads * head_dim, HD=head_dim,
         HD_P=hd_p, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, MODE=mode,
-        SPLITS=splits, SELF_COMBINE=self_combine, ROPE=rope is not None, HALF=head_dim // 2,
-        INTERLEAVED=interleaved, HAS_QK_NORM=has_norm, num_warps=warps, num_stages=stages)
+        SPLITS=splits, SELF_COMBINE=self_combine, num_warps=warps, num_stages=stages)
     if splits > 1 and not self_combine:
         per = combine_tokens or COMBINE_TOKENS
         combine_kernel[(triton.cdiv(tokens, per), num_heads)](
