@@ -192,9 +192,8 @@ class TorchEngine(TorchSteps):
         if self.kernels == "triton":
             from llm_runner_svc.engines.torch_triton import TritonOps
 
-            num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                       if self.device.type == "cuda" else 1)
-            ops = TritonOps(c, plan.page_size, num_sms, has_fused, self.split_prefill_keys)
+            ops = TritonOps(c, plan.page_size, self._num_sms(), has_fused,
+                            self.split_prefill_keys)
             self._bytes += ops.reserve(plan.max_decode_rows, plan.max_seq, self.device)
         short = self._short_products()
         self.forward = Forward(c, self.weights, ops, self.state, plan.hidden_layer,
@@ -223,6 +222,12 @@ class TorchEngine(TorchSteps):
         self._bytes += self.picks.nbytes
         self._last_sampled: tuple[bool, ...] = ()  # which rows of the last forward picked
 
+    def _num_sms(self) -> int:
+        """The device's multiprocessors (1 on the CPU, where Triton's interpreter runs)."""
+        if self.device.type != "cuda":
+            return 1
+        return int(torch.cuda.get_device_properties(self.device).multi_processor_count)
+
     def _short_products(self) -> ShortProducts | None:
         """The short passes' products with their partials claimed (None: not used here):
         with triton kernels on bf16 weights (or on the CPU, where triton kernels run on
@@ -232,7 +237,7 @@ class TorchEngine(TorchSteps):
             return None
         from llm_runner_svc.engines.torch_triton_short import ShortProducts
 
-        short = ShortProducts(self.config.rms_eps, self.short_tilings)
+        short = ShortProducts(self.config.rms_eps, self.short_tilings, self._num_sms())
         self._bytes += short.reserve(self.device)
         return short
 
