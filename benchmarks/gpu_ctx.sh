@@ -11,12 +11,13 @@
 # by the last split or by a second launch). Logs go to $OUT; the SM clock and power are sampled every 20 ms through the TTFT
 # runs ($OUT/clocks.csv).
 #   TESTS=0 skips the tests, SHORT=0 the tilings sweep (the TTFT runs on the engine's
-#   measured default then), TTFT=0 the TTFT runs, ATTN=0 the attention sweep; L2=1 adds the
-#   L2 reads beside the attention (bench_l2_prefetch.py);
+#   measured default then), TTFT=0 the TTFT runs, CUBLAS=0 the one on cuBLAS, ATTN=0 the
+#   attention sweep; L2=1 adds the L2 reads beside the attention (bench_l2_prefetch.py);
 #   TEST_K: which GPU tests (pytest -k); SHORT_PRODUCTS: which products the sweep times
-#   (default all four), SHORT_KINDS which kernels (grid,stream); TTFT_ARGS: more arguments for bench_prefix_cache.py; PAUSE=MS adds a
-#   TTFT run whose reusing requests come MS after the cold ones, the device idle between;
-#   ALT="ARGS" adds one with those arguments (another engine setting against the default).
+#   (default all four), SHORT_KINDS which kernels (grid,stream); TTFT_ARGS: more arguments
+#   for bench_prefix_cache.py; PAUSE=MS adds a TTFT run whose reusing requests come MS after
+#   the cold ones, the device idle between; ALT="ARGS" adds one with those arguments
+#   (another engine setting against the default).
 set -uo pipefail
 # shellcheck source=benchmarks/gpu_env.sh
 . benchmarks/gpu_env.sh
@@ -49,7 +50,7 @@ if [ "${TTFT:-1}" = 1 ]; then
         --format=csv -lms 20 >"$OUT/clocks.csv" 2>/dev/null &
     clocks=$!
     ttft "" --gpu-profile "${tilings[@]}" || rc=1
-    ttft cublas --short-prefill-rows 0
+    [ "${CUBLAS:-1}" = 1 ] && ttft cublas --short-prefill-rows 0
     # the engine's own tilings, where the sweep's differ
     [ ${#tilings[@]} -gt 0 ] && ttft default
     # shellcheck disable=SC2086
