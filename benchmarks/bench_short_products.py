@@ -15,13 +15,8 @@ With --norm-inside, q/k/v and gate/up also try the RMSNorm inside the product (o
 With --write FILE, the fastest tiling of each product that beats both cuBLAS figures by 2%
 goes to FILE (JSON), which `bench_prefix_cache.py --short-tilings FILE` hands to the engine.
 
-The sweep takes both kernels' tilings (`--kinds`): a program per tile and K split
-(`short_kernel`), and the tiles' K steps dealt evenly over 1 or 2 programs a multiprocessor
-(`stream_kernel`); the best of each is printed under the table's row.
-
 Usage: python benchmarks/bench_short_products.py [--shape qwen2.5-7b] [--rows 50]
                                                  [--products gate/up,down] [--write FILE]
-                                                 [--kinds grid,stream]
 """
 
 from __future__ import annotations
@@ -41,7 +36,6 @@ import gpu_paths  # noqa: E402
 from llm_runner_svc.engines.torch_triton import TritonOps  # noqa: E402
 from llm_runner_svc.engines.torch_triton_modes import (  # noqa: E402
     ACCUMULATE,
-    SHORT_TILINGS,
     SILU_GATE,
     STORE,
     Shape,
@@ -65,20 +59,15 @@ def _graph_us(body: Body, layers: int, reps: int) -> float:
     return gpu_paths.event_ms(graph.replay, reps=1, rounds=reps) * 1e3 / layers
 
 
-def _candidates(mode: int, k: int, inside: bool) -> list[Tiling]:
-    """Each tiling with the weights' loads plain and hinted to leave L2 first, then (on
-    rows normed before) the tiles' K steps dealt over 1 or 2 programs a multiprocessor."""
-    steps = ((128, 4), (64, 6), (128, 3)) if mode == SILU_GATE else ((128, 4), (64, 6))
+def _candidates(mode: int, k: int) -> list[Tiling]:
+    """Each tiling with the weights' loads plain and hinted to leave L2 first."""
     if mode == SILU_GATE:  # 18,944 columns: tiles of 64 make 296 programs, 2.2 waves
-        grid = [Tiling(bn, bk, sp, w, st, ev) for bn in (32, 64, 128) for sp in (1, 2)
-                for bk, st in steps for w in ((4, 8) if bn == 128 else (4,)) for ev in (0, 1)]
-    else:
-        splits = (2, 4, 8) if k > 8192 else (1, 2, 4)
-        grid = [Tiling(bn, bk, sp, 4, st, ev) for bn in (32, 64, 128) for sp in splits
-                for bk, st in steps for ev in (0, 1)]
-    stream = [Tiling(bn, bk, 1, 4, st, 0, per_sm) for bn in (32, 64, 128) for bk, st in steps
-              for per_sm in (1, 2)]
-    return grid if inside else grid + stream
+        return [Tiling(bn, bk, sp, w, st, ev) for bn in (32, 64, 128) for sp in (1, 2)
+                for bk, st in ((128, 4), (64, 6), (128, 3))
+                for w in ((4, 8) if bn == 128 else (4,)) for ev in (0, 1)]
+    splits = (2, 4, 8) if k > 8192 else (1, 2, 4)
+    return [Tiling(bn, bk, sp, 4, st, ev) for bn in (32, 64, 128) for sp in splits
+            for bk, st in ((128, 4), (64, 6)) for ev in (0, 1)]
 
 
 def main() -> None:
@@ -89,9 +78,6 @@ def main() -> None:
     ap.add_argument("--write", type=Path, default=None, help="the fastest tilings (JSON)")
     ap.add_argument("--products", default="q/k/v,o,gate/up,down",
                     help="which of the layer's products to sweep (comma-separated)")
-    ap.add_argument("--kinds", default="grid,stream",
-                    help="which kernels' tilings to sweep: grid (a program per tile and "
-                         "split), stream (the K steps dealt over the multiprocessors)")
     ap.add_argument("--norm-inside", action="store_true",
                     help="also the RMSNorm inside q/k/v and gate/up")
     args = ap.parse_args()
@@ -167,7 +153,7 @@ def main() -> None:
           f"{torch.cuda.get_device_name(dev)}, {num_sms} SMs; us a layer (median of "
           f"{args.reps} graph replays)\n")
     print("| product | norm | cuBLAS (+ its small kernels) | the same on cuBLASLt | short, best | "
-          "best tiling (bn, bk, split, warps, stages, evict, stream) | vs the faster cuBLAS |\n"
+          "best tiling (bn, bk, split, warps, stages, evict) | vs the faster cuBLAS |\n"
           "|---|---|---:|---:|---:|---|---:|")
     chosen: dict[Shape, Tiling] = {}
     for name, (n, k, mode) in products.items():
@@ -184,13 +170,8 @@ def main() -> None:
         for inside in insides:
             shape: Shape = (n, k, mode, inside)
             results: list[tuple[float, Tiling]] = []
-            kinds = args.kinds.split(",")
-            for t in _candidates(mode, k, inside):
-                # the engine's own tiling always, against the kinds swept
-                if ("stream" if t.stream else "grid") not in kinds and (
-                        SHORT_TILINGS.get(shape) != t):
-                    continue
-                sp = ShortProducts(c.rms_eps, {shape: t}, num_sms)
+            for t in _candidates(mode, k):
+                sp = ShortProducts(c.rms_eps, {shape: t})
                 sp.reserve(dev)
                 try:
                     us = _graph_us(short_body(name, sp, inside), len(layers), args.reps)
@@ -209,11 +190,6 @@ def main() -> None:
             print(f"  {name}: next best " + ", ".join(f"{tuple(t)} {us:.1f}"
                                                      for us, t in results[1:4]),
                   file=sys.stderr)
-            for kind, rows in (("stream", [r for r in results if r[1].stream]),
-                               ("grid", [r for r in results if not r[1].stream])):
-                if rows:
-                    print(f"  {name}: best {kind} {tuple(rows[0][1])} {rows[0][0]:.1f}",
-                          flush=True)
             if best is None or us < best[0]:
                 best = (us, shape, t)
         if best is not None and best[0] < 0.98 * min(base, base_lt):

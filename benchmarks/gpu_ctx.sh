@@ -14,10 +14,9 @@
 #   measured default then), TTFT=0 the TTFT runs, CUBLAS=0 the one on cuBLAS, ATTN=0 the
 #   attention sweep; L2=1 adds the L2 reads beside the attention (bench_l2_prefetch.py);
 #   TEST_K: which GPU tests (pytest -k); SHORT_PRODUCTS: which products the sweep times
-#   (default all four), SHORT_KINDS which kernels (grid,stream); TTFT_ARGS: more arguments
-#   for bench_prefix_cache.py; PAUSE=MS adds a TTFT run whose reusing requests come MS after
-#   the cold ones, the device idle between; ALT="ARGS" adds one with those arguments
-#   (another engine setting against the default).
+#   (default all four); TTFT_ARGS: more arguments for bench_prefix_cache.py; PAUSE=MS adds
+#   a TTFT run whose reusing requests come MS after the cold ones, the device idle between;
+#   ALT="ARGS" adds one with those arguments (another engine setting against the default).
 set -uo pipefail
 # shellcheck source=benchmarks/gpu_env.sh
 . benchmarks/gpu_env.sh
@@ -32,8 +31,8 @@ fi
 tilings=()
 if [ "${SHORT:-1}" = 1 ]; then
     timeout 240 python3 benchmarks/bench_short_products.py --write "$OUT/short_tilings.json" \
-        --products "${SHORT_PRODUCTS:-q/k/v,o,gate/up,down}" \
-        --kinds "${SHORT_KINDS:-grid,stream}" 2>&1 | tee "$OUT/bench_short_products.txt"
+        --products "${SHORT_PRODUCTS:-q/k/v,o,gate/up,down}" 2>&1 \
+        | tee "$OUT/bench_short_products.txt"
     [ -s "$OUT/short_tilings.json" ] && tilings=(--short-prefill-rows 64 --short-tilings \
         "$OUT/short_tilings.json")
 fi

@@ -237,7 +237,7 @@ class TorchEngine(TorchSteps):
             return None
         from llm_runner_svc.engines.torch_triton_short import ShortProducts
 
-        short = ShortProducts(self.config.rms_eps, self.short_tilings, self._num_sms())
+        short = ShortProducts(self.config.rms_eps, self.short_tilings)
         self._bytes += short.reserve(self.device)
         return short
 

@@ -22,8 +22,6 @@ class Tiling(NamedTuple):
     warps: int
     stages: int
     evict: int = 0  # 1: the weight loads ask L2 to drop them first
-    stream: int = 0  # programs a multiprocessor dealt the tiles' K steps evenly (stream_kernel);
-    #                  0: a program per tile and split (short_kernel)
 
 
 # A product: (output columns n, k, mode, whether the RMSNorm runs inside it)

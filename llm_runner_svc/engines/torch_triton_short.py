@@ -24,15 +24,6 @@ the partials, counts itself in, and the last of a tile's programs sums them in s
 launch, so a CUDA graph can hold the launches. The weights are read once a pass; with
 EVICT_W their loads ask L2 to drop them first, keeping the rows every program rereads.
 
-A product's tiles run in waves over the multiprocessors, and the last wave of a grid of
-tiles (gate/up of a 7B model in tiles of 64 columns: 296 programs on 132 multiprocessors)
-may leave most of them idle while the few programs left read their weights. `stream_kernel`
-deals the K steps of all the tiles evenly over a fixed number of programs (a few per
-multiprocessor, "stream-K"): each program runs through its share in order, finishing the
-tiles it covers whole; a tile shared by several programs is finished by the last of them
-to arrive, which sums the others' float32 partials in program order (each program leaves
-at most two: its first and its last tile).
-
 Whether a product takes this kernel, and with which tiling, is measured per shape
 (`benchmarks/bench_short_products.py`, each side in a CUDA graph over every layer's
 weights): a product runs here only where a measured tiling beat cuBLAS with its small
@@ -152,114 +143,32 @@ def short_kernel(a_ptr, a_stride, w_ptr, bias_ptr, norm_ptr, out_ptr, out_stride
             tl.atomic_xchg(counter, 0)
 
 
-@triton.jit
-def stream_kernel(a_ptr, a_stride, w_ptr, bias_ptr, out_ptr, out_stride, part_ptr, count_ptr,
-                  M, N, K, steps, per, HAS_BIAS: tl.constexpr, MODE: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  EVICT_W: tl.constexpr):
-    """Grid (P,): rows 0..M-1 of a [M, K] times w [N, K] (2 N rows for SILU_GATE), the
-    cdiv(N, BN) tiles' `steps` K steps of BK each numbered tile by tile and program p taking
-    steps p per .. p per + per - 1. A tile whose steps one program holds is finished by it;
-    otherwise each of its programs leaves its float32 partial in `part` [P, 2, halves, BM,
-    BN] (slot 0 its first tile, 1 its last) and counts itself in `count` [tiles] (int32,
-    zero between launches), and the last one sums the partials in program order."""
-    pid = tl.program_id(0)
-    rm = tl.arange(0, BM)
-    cols = tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    mmask = rm < M
-    a_rows = a_ptr + rm[:, None].to(tl.int64) * a_stride
-    p_off = rm[:, None] * BN + cols[None, :]
-    halves = 2 if MODE == _SILU_GATE else 1
-    it = pid * per
-    end = tl.minimum(it + per, tl.cdiv(N, BN) * steps)
-    first_tile = it // steps
-    while it < end:
-        tile = it // steps
-        k_lo = it - tile * steps
-        k_hi = tl.minimum(steps, k_lo + end - it)
-        rn = tile * BN + cols
-        nmask = rn < N
-        w_cols = w_ptr + rn[None, :].to(tl.int64) * K
-        acc = tl.zeros([BM, BN], tl.float32)
-        acc_up = tl.zeros([BM, BN], tl.float32)
-        for step in range(k_lo, k_hi):
-            kk = step * BK + rk
-            kmask = kk < K
-            a = tl.load(a_rows + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-            a = a.to(w_ptr.dtype.element_ty)
-            acc = tl.dot(a, _weights(w_cols + kk[:, None], kmask, nmask, EVICT_W), acc)
-            if MODE == _SILU_GATE:
-                acc_up = tl.dot(a, _weights(w_cols + N * K + kk[:, None], kmask, nmask,
-                                            EVICT_W), acc_up)
-        if k_hi - k_lo == steps:
-            _finish(acc, acc_up, rm, rn, mmask, nmask, bias_ptr, out_ptr, out_stride, HAS_BIAS,
-                    MODE)
-        else:
-            mine = part_ptr + (pid * 2 + (tile != first_tile).to(tl.int32)) * halves * BM * BN
-            tl.store(mine + p_off, acc)
-            if MODE == _SILU_GATE:
-                tl.store(mine + BM * BN + p_off, acc_up)
-            tl.debug_barrier()  # every thread's partial is written before the count
-            lo = tile * steps // per
-            hi = ((tile + 1) * steps - 1) // per
-            counter = count_ptr + tile
-            if tl.atomic_add(counter, 1) == hi - lo:
-                tl.debug_barrier()
-                total = tl.zeros([BM, BN], tl.float32)
-                total_up = tl.zeros([BM, BN], tl.float32)
-                for p in range(lo, hi + 1):
-                    slot = (tile != p * per // steps).to(tl.int32)
-                    theirs = part_ptr + (p * 2 + slot) * halves * BM * BN
-                    total += tl.load(theirs + p_off, cache_modifier=".cg")
-                    if MODE == _SILU_GATE:
-                        total_up += tl.load(theirs + BM * BN + p_off, cache_modifier=".cg")
-                _finish(total, total_up, rm, rn, mmask, nmask, bias_ptr, out_ptr, out_stride,
-                        HAS_BIAS, MODE)
-                tl.atomic_xchg(counter, 0)
-        it += k_hi - k_lo
-
-
 class ShortProducts:
     """Launches of `short_kernel` for the products it holds a tiling for (`tilings`, as
     measured: bench_short_products.py writes the fastest of each shape where it beats
     cuBLAS), their partials claimed once (`reserve`) before any capture. Each call returns
     False, launching nothing, for a product without a tiling: the caller multiplies it on
-    cuBLAS. A tiling with `stream` runs on `stream_kernel` with `stream` programs for each
-    of the `num_sms` multiprocessors."""
+    cuBLAS."""
 
-    def __init__(self, eps: float, tilings: Mapping[Shape, Tiling], num_sms: int = 1) -> None:
+    def __init__(self, eps: float, tilings: Mapping[Shape, Tiling]) -> None:
         self.eps = eps
         self.tilings = dict(tilings)
-        self.num_sms = num_sms
-        for (n, k, _, norm), t in self.tilings.items():
+        for (n, k, _, _), t in self.tilings.items():
             if min(t[:4]) < 1 or t.stages < 1 or t.bn & (t.bn - 1) or t.bk & (t.bk - 1):
                 raise ValueError(f"tiling {tuple(t)} of the product ({n}, {k}): bn and bk "
                                  "powers of two, split_k, warps and stages at least 1")
-            if t.stream < 0 or t.stream and (t.split_k > 1 or norm):
-                raise ValueError(f"tiling {tuple(t)} of the product ({n}, {k}): stream, at "
-                                 "least 0, deals whole K ranges (split_k 1) of normed rows")
         self._part: torch.Tensor | None = None
         self._ss: torch.Tensor | None = None
         self._count: torch.Tensor | None = None
 
-    def _programs(self, n: int, k: int, t: Tiling) -> tuple[int, int, int]:
-        """stream_kernel's programs, K steps a tile and steps a program."""
-        steps = -(-k // t.bk)
-        total = -(-n // t.bn) * steps
-        per = -(-total // min(total, t.stream * self.num_sms))
-        return -(-total // per), steps, per
-
     def reserve(self, device: torch.device) -> int:
         """Claim the partials of every tiled product; returns their bytes."""
         part = ss = count = 1
-        for (n, k, mode, _), t in self.tilings.items():
+        for (n, _, mode, _), t in self.tilings.items():
             tiles = -(-n // t.bn)
             count = max(count, tiles)
-            halves = 2 if mode == SILU_GATE else 1
-            if t.stream:
-                part = max(part, self._programs(n, k, t)[0] * 2 * halves * MAX_ROWS * t.bn)
-            elif t.split_k > 1:
+            if t.split_k > 1:
+                halves = 2 if mode == SILU_GATE else 1
                 part = max(part, halves * t.split_k * MAX_ROWS * n)
                 ss = max(ss, t.split_k * tiles * MAX_ROWS)
         self._part = torch.empty(part, dtype=torch.float32, device=device)
@@ -275,21 +184,12 @@ class ShortProducts:
             return False
         part, ss, count = self._part, self._ss, self._count
         assert part is not None and ss is not None and count is not None, "reserve() first"
-        bm = max(16, 1 << (m - 1).bit_length())
-        if t.stream:
-            programs, steps, per = self._programs(n, k, t)
-            stream_kernel[(programs,)](
-                a, a.stride(0), w, bias if bias is not None else w, out, out.stride(0), part,
-                count, m, n, k, steps, per, HAS_BIAS=bias is not None, MODE=mode, BM=bm,
-                BN=t.bn, BK=t.bk, EVICT_W=bool(t.evict), num_warps=t.warps,
-                num_stages=t.stages)
-            return True
         per_split = -(-k // (t.split_k * t.bk)) * t.bk
         short_kernel[(-(-n // t.bn), t.split_k)](
             a, a.stride(0), w, bias if bias is not None else w, norm if norm is not None else a,
             out, out.stride(0), part, ss, count, m, n, k, per_split, self.eps,
             HAS_NORM=norm is not None, HAS_BIAS=bias is not None, MODE=mode,
-            BM=bm, BN=t.bn, BK=t.bk, SPLIT_K=t.split_k,
+            BM=max(16, 1 << (m - 1).bit_length()), BN=t.bn, BK=t.bk, SPLIT_K=t.split_k,
             EVICT_W=bool(t.evict), num_warps=t.warps, num_stages=t.stages)
         return True
 

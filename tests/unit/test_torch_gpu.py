@@ -375,17 +375,16 @@ def test_fast_prefill_against_the_precise_path(arch, stories, tmp_path):
             _clear_leads_agree(logits, want_logits, 0.5)
 
 
-@pytest.mark.parametrize("split, norm_inside, evict, stream", [
-    (1, True, 0, 0), (2, True, 0, 0), (2, False, 1, 0), (1, False, 0, 2)])
-def test_short_products_against_the_precise_path(stories, split, norm_inside, evict, stream,
+@pytest.mark.parametrize("split, norm_inside, evict", [(1, True, 0), (2, True, 0),
+                                                      (2, False, 1)])
+def test_short_products_against_the_precise_path(stories, split, norm_inside, evict,
                                                   monkeypatch):
     """Prefill passes of up to 64 tokens on the short products (torch_triton_short.py:
     the norms inside q/k/v and gate/up or before them, the SiLU gate and the residual sums
-    inside; split K ranges summed by the last program, or every tile's K steps dealt over
-    two programs a multiprocessor; the weights' loads with and without the eviction hint),
-    chunks of 50 and of 7 after earlier ones: states within bf16 rounding of the
-    float32-activation path (BF16_CUBLAS_REL) and of the same passes on cuBLAS, the same
-    argmax wherever its lead is clear of it."""
+    inside; split K ranges summed by the last program; the weights' loads with and
+    without the eviction hint), chunks of 50 and of 7 after earlier
+    ones: states within bf16 rounding of the float32-activation path (BF16_CUBLAS_REL) and
+    of the same passes on cuBLAS, the same argmax wherever its lead is clear of it."""
     from llm_runner_svc.engines.torch_triton_modes import ACCUMULATE, SILU_GATE, STORE, Tiling
     from llm_runner_svc.engines.torch_triton_short import ShortProducts
 
@@ -394,7 +393,7 @@ def test_short_products_against_the_precise_path(stories, split, norm_inside, ev
               (c.hidden_size, c.q_dim, ACCUMULATE, False),
               (c.intermediate_size, c.hidden_size, SILU_GATE, norm_inside),
               (c.hidden_size, c.intermediate_size, ACCUMULATE, False)]
-    tilings = dict.fromkeys(shapes, Tiling(16, 32, split, 4, 3, evict, stream))
+    tilings = dict.fromkeys(shapes, Tiling(16, 32, split, 4, 3, evict))
     launches = []
     launch = ShortProducts._launch
     monkeypatch.setattr(ShortProducts, "_launch", lambda self, *a, **k: launches.append(
@@ -411,9 +410,9 @@ def test_short_products_against_the_precise_path(stories, split, norm_inside, ev
         cublas_logits, cublas = _prefill_states(stories, prompt, chunk=chunk, rows=0,
                                                 short_prefill_rows=0)
         spread, apart = _spread(got, want), _spread(got, cublas)
-        print(f"short products (split {split}, norm inside {norm_inside}, evict {evict}, "
-              f"stream {stream}) in chunks of {chunk}: states {_fmt(spread)} from the precise "
-              f"path, {_fmt(apart)} from cuBLAS")
+        print(f"short products (split {split}, norm inside {norm_inside}, evict {evict}) in "
+              f"chunks of {chunk}: states {_fmt(spread)} from the precise path, {_fmt(apart)} from "
+              "cuBLAS")
         assert spread[2] < BF16_CUBLAS_REL
         assert apart[2] < BF16_CUBLAS_REL
         _clear_leads_agree(logits, want_logits, 0.5)
