@@ -8,8 +8,8 @@
 # kernel profile), then with every product on the default cuBLAS (--short-prefill-rows 0),
 # in the same call (and on the engine's own tilings when the sweep ran); then the attention
 # of a short pass after a cached prompt (bench_attention.py --after: splits, tiles, merged
-# by the last split or by a second launch). Logs go to $OUT; the SM clock and power are sampled every 20 ms through the TTFT
-# runs ($OUT/clocks.csv).
+# by the last split or by a second launch). Logs go to $OUT; the SM clock and power are
+# sampled every 20 ms through the TTFT runs ($OUT/clocks.csv).
 #   TESTS=0 skips the tests, SHORT=0 the tilings sweep (the TTFT runs on the engine's
 #   measured default then), TTFT=0 the TTFT runs, CUBLAS=0 the one on cuBLAS, ATTN=0 the
 #   attention sweep; L2=1 adds the L2 reads beside the attention (bench_l2_prefetch.py);
@@ -50,7 +50,7 @@ if [ "${TTFT:-1}" = 1 ]; then
     clocks=$!
     ttft "" --gpu-profile "${tilings[@]}" || rc=1
     [ "${CUBLAS:-1}" = 1 ] && ttft cublas --short-prefill-rows 0
-    # the engine's own tilings, where the sweep's differ
+    # after a sweep: the engine's own tilings, against the swept ones above
     [ ${#tilings[@]} -gt 0 ] && ttft default
     # shellcheck disable=SC2086
     [ -n "${ALT:-}" ] && ttft alt "${tilings[@]}" $ALT

@@ -192,8 +192,9 @@ class TorchEngine(TorchSteps):
         if self.kernels == "triton":
             from llm_runner_svc.engines.torch_triton import TritonOps
 
-            ops = TritonOps(c, plan.page_size, self._num_sms(), has_fused,
-                            self.split_prefill_keys)
+            num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                       if self.device.type == "cuda" else 1)
+            ops = TritonOps(c, plan.page_size, num_sms, has_fused, self.split_prefill_keys)
             self._bytes += ops.reserve(plan.max_decode_rows, plan.max_seq, self.device)
         short = self._short_products()
         self.forward = Forward(c, self.weights, ops, self.state, plan.hidden_layer,
@@ -221,12 +222,6 @@ class TorchEngine(TorchSteps):
                            max(pass_tokens(plan), plan.max_decode_rows))
         self._bytes += self.picks.nbytes
         self._last_sampled: tuple[bool, ...] = ()  # which rows of the last forward picked
-
-    def _num_sms(self) -> int:
-        """The device's multiprocessors (1 on the CPU, where Triton's interpreter runs)."""
-        if self.device.type != "cuda":
-            return 1
-        return int(torch.cuda.get_device_properties(self.device).multi_processor_count)
 
     def _short_products(self) -> ShortProducts | None:
         """The short passes' products with their partials claimed (None: not used here):
