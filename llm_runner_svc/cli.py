@@ -42,6 +42,7 @@ def model_help() -> str:
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     from llm_runner_svc.engines import engine_names
+    from llm_runner_svc.engines.synthetic_engine import DEFAULT_STEP_MS, DEFAULT_TOKEN_US
     from llm_runner_svc.runtime import SamplingDefaults
 
     defaults = SamplingDefaults()  # the deployment defaults, for the help
@@ -55,6 +56,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="inference engine (onnx*, tensorrt, torch need their extras)")
     p.add_argument("--device", default=None,
                    help="torch engine only: cpu, cuda or cuda:N (default: a GPU if there is one)")
+    p.add_argument("--synthetic-step-ms", type=float, default=None,
+                   help=f"synthetic engine only (deterministic ids, no model math, for "
+                        f"benchmarks): milliseconds per step (default: {DEFAULT_STEP_MS})")
+    p.add_argument("--synthetic-token-us", type=float, default=None,
+                   help=f"synthetic engine only: microseconds per token of a step (default: "
+                        f"{DEFAULT_TOKEN_US})")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the model's chat template")
     p.add_argument("--temperature", type=float, default=None,
@@ -123,6 +130,7 @@ def _generate(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {} if args.device is None else {"device": args.device}
     if options and args.engine != "torch":
         raise InvalidArgument(f"--device needs --engine torch (got --engine {args.engine})")
+    options.update(_synthetic_options(args))
     if args.adapter is not None:
         from llm_runner_svc.models.lora import load_adapter
 
@@ -168,6 +176,16 @@ def _generate(args: argparse.Namespace) -> int:
     finally:
         runtime.close()
     return 0
+
+
+def _synthetic_options(args: argparse.Namespace) -> dict[str, float]:
+    """--synthetic-step-ms / --synthetic-token-us as the synthetic engine's options."""
+    given = {k: v for k, v in (("step_ms", args.synthetic_step_ms),
+                                ("token_us", args.synthetic_token_us)) if v is not None}
+    if given and args.engine != "synthetic":
+        raise InvalidArgument(f"--synthetic-step-ms / --synthetic-token-us need --engine "
+                              f"synthetic (got --engine {args.engine})")
+    return given
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

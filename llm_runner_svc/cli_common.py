@@ -31,7 +31,7 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: stdout's reader left (`| head`), as cor
 # The modules each engine needs beyond this package (`--version` lists the importable ones).
 _ENGINE_NEEDS: dict[str, tuple[str, ...]] = {
     "numpy": ("numpy",), "onnx": ("onnxruntime",), "onnx-fp16": ("onnxruntime",),
-    "tensorrt": ("tensorrt_rtx|tensorrt",), "torch": ("torch",),
+    "tensorrt": ("tensorrt_rtx|tensorrt",), "torch": ("torch",), "synthetic": (),
 }
 
 

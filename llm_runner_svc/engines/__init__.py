@@ -13,6 +13,7 @@ _REGISTRY: dict[str, str] = {
     "numpy": "llm_runner_svc.engines.numpy_engine:NumpyEngine",
     "onnx": "llm_runner_svc.engines.onnx_engine:OnnxEngine",
     "onnx-fp16": "llm_runner_svc.engines.onnx_engine:OnnxFp16Engine",
+    "synthetic": "llm_runner_svc.engines.synthetic_engine:SyntheticEngine",
     "tensorrt": "llm_runner_svc.engines.tensorrt_engine:TensorRTEngine",
     "torch": "llm_runner_svc.engines.torch_engine:TorchEngine",
 }
@@ -43,7 +44,8 @@ def engine_names() -> list[str]:
 def create_engine(name: str, config: ModelConfig, weights: ModelWeights,
                   **options: Any) -> Engine:
     """Build the engine registered as `name`; an unknown name lists the valid ones.
-    `options` go to engines that take them (tensorrt: build_dir, runtime_cache)."""
+    `options` go to engines that take them (tensorrt: build_dir, runtime_cache; synthetic:
+    step_ms, token_us)."""
     target = _REGISTRY.get(name)
     if target is None:
         raise InvalidArgument(

@@ -14,6 +14,7 @@ build cannot honour yet fail at load, naming the key and the rule; the LlmRunner
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_runner_svc.engines import engine_names
+from llm_runner_svc.engines.synthetic_engine import DEFAULT_STEP_MS, DEFAULT_TOKEN_US
 from llm_runner_svc.errors import NotFound, RunnerError, Unimplemented
 from llm_runner_svc.export.sidecar import is_build_dir, load_sidecar
 from llm_runner_svc.runtime.config import RuntimeConfig
@@ -33,14 +35,17 @@ from llm_runner_svc.stage.visual_pruning import PruningConfig
 
 RUNNER = "llm.backbone"
 _BUILTIN = ("stories260K", "smollm2")
+_SYNTHETIC_KEYS = ("syntheticStepMs", "syntheticTokenUs")  # the synthetic engine's step time
 _STAGE_KEYS = {"id", "runner", "artifact", "engine", "emits", "inputs", "maxBatch", "maxSeq",
                "config", "ports", "maxQueued", "maxTokensInFlight", "device",
                "creditIdleTimeoutS", "maxTokensPerStep", "kvMemoryBytes",
-               "kvMemoryFraction", "maxLoras", "maxLoraRank", *LIMIT_KEYS}
+               "kvMemoryFraction", "maxLoras", "maxLoraRank", *LIMIT_KEYS,
+               *_SYNTHETIC_KEYS}
 _PORT_KEYS = {"policy", "buffer", "shmRingBytes", "maxShmSubscriptions", "maxShmBytes"}
 _INPUTS = ("request:text", "request:messages", "request:token_ids")
 _EMITS = ("text", "tokens", "hidden")
 _GRAPH_PLAN_ENGINE = "tensorrt"  # the engine that serves build-engine directories and caches
+_SYNTHETIC = "synthetic"  # the engine of benchmarks and load tests: picks at a set step time
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,8 @@ class StageConfig:
     engine_dir: str = ""  # a build-engine directory the engine loads its plan from
     runtime_cache: str = ""  # the tensorrt engine's runtime cache file (read at start, saved)
     device: str = ""  # the torch engine's device ("cpu", "cuda", "cuda:N"); "" = GPU if any
+    synthetic_step_ms: float = DEFAULT_STEP_MS  # the synthetic engine's time per step
+    synthetic_token_us: float = DEFAULT_TOKEN_US  # and per token of a step's batch
 
     def runtime_config(self) -> RuntimeConfig:
         """The runtime's settings for this stage."""
@@ -101,7 +108,10 @@ class StageConfig:
         """Keyword arguments for create_engine beyond the model (none for most engines)."""
         opts: dict[str, Any] = {"build_dir": self.engine_dir,
                                 "runtime_cache": self.runtime_cache, "device": self.device}
-        return {k: v for k, v in opts.items() if v}
+        out = {k: v for k, v in opts.items() if v}
+        if self.engine == _SYNTHETIC:  # passed even at 0, which is a valid step time
+            out.update(step_ms=self.synthetic_step_ms, token_us=self.synthetic_token_us)
+        return out
 
 
     @property
@@ -154,6 +164,17 @@ class StageConfig:
                               f"is {self.engine!r}")
         if self.device and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device: 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        self._check_synthetic()
+
+    def _check_synthetic(self) -> None:
+        for key, value, unit in (("syntheticStepMs", self.synthetic_step_ms, "milliseconds"),
+                                 ("syntheticTokenUs", self.synthetic_token_us, "microseconds")):
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{key}: must be a finite number of {unit} >= 0, got "
+                                  f"{value!r}")
+        if self.engine == _SYNTHETIC and self.has_hidden_port:
+            raise ConfigError("emits: the 'synthetic' engine computes no hidden states; drop "
+                              "'hidden' from emits")
 
     @property
     def has_hidden_port(self) -> bool:
@@ -202,6 +223,10 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
     hidden_layer, sampling, checkpoint = _parse_runner_keys(cfg)
     cache = cfg.get("context_cache", {})
     engine = _typed(raw, "engine", str, "numpy")
+    given = [k for k in _SYNTHETIC_KEYS if k in raw]
+    if given and engine != _SYNTHETIC:
+        raise ConfigError(f"{given[0]}: only the {_SYNTHETIC!r} engine takes it, this "
+                          f"stage's engine is {engine!r}")
     engine_dir, runtime_cache = _graph_plan_keys(artifact, engine, cfg)
     if engine_dir:
         artifact = load_sidecar(engine_dir).model
@@ -243,6 +268,8 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
         kv_memory_bytes=_typed(raw, "kvMemoryBytes", int, 0),
         kv_memory_fraction=_typed(raw, "kvMemoryFraction", float, 0.0),
         device=_typed(raw, "device", str, ""),
+        synthetic_step_ms=float(_typed(raw, "syntheticStepMs", float, DEFAULT_STEP_MS)),
+        synthetic_token_us=float(_typed(raw, "syntheticTokenUs", float, DEFAULT_TOKEN_US)),
         prefix_cache=bool(cache.get("enable_reuse", False)),
         prefix_cache_records=cache.get("max_records", 0),
         prefix_cache_snapshots=cache.get("max_snapshots", 0), lora_adapters=adapters,
