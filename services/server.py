@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.errors import Unavailable
 from services.interceptor import ErrorInterceptor
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ class ServerOptions:
     port: int = 50051  # 0 picks a free port
     max_message_bytes: int = 16 * MiB  # both directions
     grace_s: float = 10.0  # how long running work may take to finish on SIGTERM
+    # SO_REUSEPORT: several worker processes listen on the port (services/workers.py). Off,
+    # a port something else listens on is a bind failure, not a silent share.
+    is_port_shared: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -62,11 +66,14 @@ Registrar = Callable[[Any, grpc.aio.Server], None]
 
 
 async def create_server(options: ServerOptions,
-                        services: Sequence[tuple[Registrar, Any, str]]) -> ServerHandle:
-    """Build and start a server hosting `services` (registrar, servicer, full service name)."""
+                        services: Sequence[tuple[Registrar, Any, str]],
+                        private_addresses: Sequence[str] = ()) -> ServerHandle:
+    """Build and start a server hosting `services` (registrar, servicer, full service name),
+    on options.host:options.port and on each of `private_addresses` (a worker's own socket,
+    "unix:/path", which its sibling workers call)."""
     limits = [("grpc.max_receive_message_length", options.max_message_bytes),
               ("grpc.max_send_message_length", options.max_message_bytes),
-              ("grpc.so_reuseport", 0)]
+              ("grpc.so_reuseport", int(options.is_port_shared))]
     server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=limits)
     names = tuple(name for _, _, name in services)
     for register, servicer, _ in services:
@@ -79,6 +86,12 @@ async def create_server(options: ServerOptions,
     port = server.add_insecure_port(f"{options.host}:{options.port}")
     if port == 0:
         raise OSError(f"cannot listen on {options.host}:{options.port}")
+    for address in private_addresses:
+        try:
+            server.add_insecure_port(address)
+        except RuntimeError:
+            raise Unavailable(f"cannot listen on {address} (is its directory there and "
+                              "writable?)") from None
     await server.start()
     handle = ServerHandle(server, port, health_servicer, names)
     await handle.set_serving(True)

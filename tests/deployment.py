@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -91,9 +93,10 @@ class Deployment:
 
     def __init__(self, tmp: Path, stages: dict[str, dict[str, Any]] | None = None,
                  replicas: int = 1, env: dict[str, str] | None = None,
-                 metrics: bool = False, **topology: Any) -> None:
+                 metrics: bool = False, workers: int = 1, **topology: Any) -> None:
         """`stages`: stage id -> stage config dict (a multistage_config stage entry); default
-        one "backbone" stage serving the embedded model."""
+        one "backbone" stage serving the embedded model. `workers`: the orchestrator's worker
+        processes; with more than one, `worker_stubs` reach each one's own socket."""
         stages = stages or {"backbone": {}}
         self.stage_procs: dict[str, list[StageProc]] = {}
         doc_stages = []
@@ -110,25 +113,38 @@ class Deployment:
         sinks = [f"{sid}:text" for sid in stages]
         doc = {"stages": doc_stages, "sinks": sinks, "defaultSinks": sinks, **topology}
         (tmp / "topology.json").write_text(json.dumps(doc))
+        # A short directory: a unix socket's path has at most 107 bytes.
+        self.socket_dir = tempfile.mkdtemp(prefix="orch-")
         self.proc, self.target, line = _start(
             ["-m", "services.orchestrator", "--topology", str(tmp / "topology.json"),
-             "--port", "0", *(["--metrics-port", "0"] if metrics else [])],
+             "--port", "0", "--workers", str(workers), "--worker-socket-dir", self.socket_dir,
+             *(["--metrics-port", "0"] if metrics else [])],
             r"listening on 127\.0\.0\.1:(\d+)", env)
+        self.line = line
         self.metrics_url = _metrics(line)
         self.channel = grpc.insecure_channel(self.target)
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+        self.worker_channels = [grpc.insecure_channel(f"unix:{self.socket_dir}/worker-{i}.sock")
+                                for i in range(workers if workers > 1 else 0)]
+        self.worker_stubs = [orchestrator_pb2_grpc.OrchestratorStub(c)
+                             for c in self.worker_channels]
 
     @property
     def all_stages(self) -> list[StageProc]:
         return [p for procs in self.stage_procs.values() for p in procs]
 
-    def topology(self) -> dict[str, Any]:
-        return MessageToDict(self.stub.Topology(opb.TopologyRequest(), timeout=5),
+    def topology(self, stub: orchestrator_pb2_grpc.OrchestratorStub | None = None
+                 ) -> dict[str, Any]:
+        """The Topology answer of `stub` (default: whichever worker the port reaches)."""
+        return MessageToDict((stub or self.stub).Topology(opb.TopologyRequest(), timeout=5),
                              always_print_fields_with_no_presence=True)
 
     def close(self) -> None:
         self.channel.close()
+        for c in self.worker_channels:
+            c.close()
         terminate(self.proc)
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
         for p in self.all_stages:
             p.stop()
 

@@ -1,7 +1,8 @@
-"""`python -m services.gateway --orchestrator HOST:PORT [--host H] [--port P]`: the
-OpenAI-compatible HTTP API in front of a running orchestrator (`llm-runner up` starts one with
-its deployment). Exit codes: 0 after a clean stop (SIGTERM or Ctrl-C while serving), 2 an
-expected failure (one line on stderr), 130 Ctrl-C before serving."""
+"""`python -m services.gateway --orchestrator HOST:PORT [--host H] [--port P] [--workers N]`:
+the OpenAI-compatible HTTP API in front of a running orchestrator (`llm-runner up` starts one
+with its deployment). Exit codes: 0 after a clean stop (SIGTERM or Ctrl-C while serving), 2 an
+expected failure (one line on stderr), 130 Ctrl-C before serving; with several workers, 1 when
+a worker dies."""
 
 from __future__ import annotations
 
@@ -13,12 +14,17 @@ import sys
 
 from services.gateway.config import GatewayConfig
 from services.launched import is_launched, leave_interrupts_to_parent
+from services.workers import WorkerGroup, default_workers, reserve_port, worker_commands
 
 _DEFAULTS = GatewayConfig()
 
 
+STOP_GRACE_S = 5.0  # a worker's open streams end within its runner's shutdown timeout
+
+
 def main(argv: list[str] | None = None) -> int:
     leave_interrupts_to_parent()
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
     parser.add_argument("--orchestrator", default=_DEFAULTS.orchestrator,
                         help=f"the orchestrator's host:port (default {_DEFAULTS.orchestrator})")
@@ -32,7 +38,17 @@ def main(argv: list[str] | None = None) -> int:
                              "cancelled and answers 504 (default "
                              f"{_DEFAULTS.request_timeout_s:g})")
     parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics on this port (0 = any free; default off)")
+                        help="serve Prometheus metrics on this port (0 = any free; default off); "
+                             "with several workers, worker I on this port + I")
+    parser.add_argument("--workers", type=int, default=default_workers(),
+                        help="worker processes serving the port together (SO_REUSEPORT). "
+                             f"Default {default_workers()}: 1 below 8 cores (on 2 cores a "
+                             "second worker measured no faster), else one per 4 cores up to 4")
+    parser.add_argument("--orchestrator-channels", type=int, default=_DEFAULTS.num_channels,
+                        help="gRPC connections to the orchestrator per worker, calls dealt "
+                             "round robin: each connection reaches one orchestrator worker (or "
+                             f"replica) only (default {_DEFAULTS.num_channels})")
+    parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # read when grpc is imported, below
     from services.gateway.server import serve
@@ -40,7 +56,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         config = GatewayConfig(orchestrator=args.orchestrator, host=args.host, port=args.port,
-                               request_timeout_s=args.request_timeout_s)
+                               request_timeout_s=args.request_timeout_s,
+                               num_channels=args.orchestrator_channels,
+                               is_port_shared=args.worker_index is not None)
+        if args.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {args.workers}")
+        if args.workers > 1 and args.worker_index is None:
+            reservation = reserve_port(args.host, args.port)
+            commands = worker_commands("services.gateway", argv,
+                                       int(reservation.getsockname()[1]), args.workers,
+                                       args.metrics_port)
+            try:
+                return WorkerGroup("gateway", commands, STOP_GRACE_S).run(reservation)
+            finally:
+                reservation.close()
         asyncio.run(serve(config, args.metrics_port))
     except ValueError as exc:
         print(f"gateway: INVALID_ARGUMENT: {exc}", file=sys.stderr)

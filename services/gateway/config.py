@@ -14,6 +14,10 @@ class GatewayConfig:
     port: int = 8000  # 0 picks a free port
     request_timeout_s: float | None = 600.0  # each Generate's deadline; None: none
     max_body_bytes: int = 16 * MiB  # larger request bodies are 413
+    # gRPC channels to the orchestrator, each its own connection, calls dealt round robin: one
+    # HTTP/2 connection sticks to one orchestrator worker (or replica behind a Service).
+    num_channels: int = 4
+    is_port_shared: bool = False  # SO_REUSEPORT: one of several workers (services/workers.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -22,5 +26,7 @@ class GatewayConfig:
             raise ValueError(f"orchestrator must be host:port, got {self.orchestrator!r}")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.num_channels < 1:
+            raise ValueError(f"num_channels must be >= 1, got {self.num_channels}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

@@ -58,12 +58,12 @@ class GatewayHandle:
 async def create_gateway(config: GatewayConfig) -> GatewayHandle:
     """Listen on config.host:config.port (0: any free port). The orchestrator need not be up:
     requests answer 503 until it is. Raises OSError when the port cannot be bound."""
-    upstream = Upstream(config.orchestrator)
+    upstream = Upstream(config.orchestrator, num_channels=config.num_channels)
     metrics = GatewayMetrics()
     runner = web.AppRunner(create_app(config, upstream, metrics), handler_cancellation=True,
                            access_log=None, shutdown_timeout=2.0)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, reuse_port=False)
+    site = web.TCPSite(runner, config.host, config.port, reuse_port=config.is_port_shared)
     try:
         await site.start()
     except BaseException:

@@ -1,13 +1,19 @@
 """The gateway's one dependency: the orchestrator over gRPC (Generate, Topology, health).
 
-`Upstream` owns one `grpc.aio` channel, shared by every HTTP request (HTTP/2 multiplexes
-them). Every failed call raises the `ServiceError` of its status (`services.errors.error_for`),
-so the HTTP side maps one set of typed errors; a channel that cannot connect is `Unavailable`
-naming the orchestrator's address. Only this module touches the contract's messages.
+`Upstream` owns a few `grpc.aio` channels, each its own connection (a private subchannel
+pool: channels of equal arguments would otherwise share one), and deals the HTTP requests'
+calls over them round robin (HTTP/2 multiplexes each channel's). The orchestrator's workers
+share one port and the kernel gives each connection to one of them, so a single channel would
+load one worker only; several spread the calls (as they do over orchestrator replicas behind
+a Service that balances connections). Every failed call raises the `ServiceError` of its
+status (`services.errors.error_for`), so the HTTP side maps one set of typed errors; a channel
+that cannot connect is `Unavailable` naming the orchestrator's address. Only this module
+touches the contract's messages.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -57,17 +63,22 @@ class Upstream:
     """A connection to the orchestrator at `target` ("host:port"). Create it inside the event
     loop that uses it; `close()` ends calls still running."""
 
-    def __init__(self, target: str, max_message_bytes: int = 16 << 20) -> None:
+    def __init__(self, target: str, max_message_bytes: int = 16 << 20,
+                 num_channels: int = 1) -> None:
         self.target = target
-        self._channel = grpc.aio.insecure_channel(target, options=[
+        self._channels = [grpc.aio.insecure_channel(target, options=[
             ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes)])
-        self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.use_local_subchannel_pool", 1)]) for _ in range(num_channels)]
+        self._stubs = [orchestrator_pb2_grpc.OrchestratorStub(c) for c in self._channels]
+        self._turns = itertools.cycle(self._stubs)
+        self._stub = self._stubs[0]  # Topology
+        self._health = health_pb2_grpc.HealthStub(self._channels[0])
         self._models: tuple[str, ...] = ()
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def models(self, timeout_s: float = 10.0) -> tuple[str, ...]:
         """The model ids: each stage whose text port is a sink of the topology, in the order
@@ -102,8 +113,8 @@ class Upstream:
         """Streams one generation: `Piece`s, then one `Outcome`. The current trace context
         travels as the call's traceparent. Closing the iterator early (the HTTP client went
         away) cancels the call, and the orchestrator finishes the request on every stage."""
-        rpc = self._stub.Generate(_request(call, request_id), timeout=timeout_s,
-                                  metadata=metadata_for())
+        rpc = next(self._turns).Generate(_request(call, request_id), timeout=timeout_s,
+                                         metadata=metadata_for())
         try:
             async for event in rpc:
                 if event.HasField("delta"):

@@ -1,7 +1,7 @@
-"""`python -m services.orchestrator --topology FILE [--host H] [--port P]`: serve the
-Orchestrator API over stages that already run (see `llm-runner up` to start them too). Exit
+"""`python -m services.orchestrator --topology FILE [--host H] [--port P] [--workers N]`: serve
+the Orchestrator API over stages that already run (see `llm-runner up` to start them too). Exit
 codes: 0 after a clean stop (SIGTERM or Ctrl-C while serving), 2 an expected failure (one line
-on stderr), 130 Ctrl-C before serving."""
+on stderr), 130 Ctrl-C before serving; with several workers, 1 when a worker dies."""
 
 from __future__ import annotations
 
@@ -12,9 +12,13 @@ import os
 import sys
 
 from services.errors import ServiceError
+from services.launched import is_launched, leave_interrupts_to_parent
+from services.workers import default_workers
 
 
 def main(argv: list[str] | None = None) -> int:
+    leave_interrupts_to_parent()
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m services.orchestrator", description=__doc__)
     parser.add_argument("--topology", required=True, help="topology file (JSON)")
     parser.add_argument("--host", default="127.0.0.1",
@@ -27,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="on SIGTERM, how long running requests may take to finish "
                              "(default 10 s)")
     parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics on this port (0 = any free; default off)")
+                        help="serve Prometheus metrics on this port (0 = any free; default off); "
+                             "with several workers, worker I on this port + I")
     parser.add_argument("--peers", default=None,
                         help="DNS target of every orchestrator replica "
                              "(dns:///orchestrator-headless:50050): a Cancel for a request "
@@ -35,25 +40,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--discover-interval-s", type=float, default=5.0,
                         help="how often stages named by 'discover' are resolved again "
                              "(default 5 s; sooner after a replica fails)")
+    parser.add_argument("--workers", type=int, default=default_workers(),
+                        help="worker processes serving the port together (SO_REUSEPORT), each "
+                             "relaying its own share of the calls: one Python process relays a "
+                             "few tens of thousands of messages a second. Default "
+                             f"{default_workers()}: 1 below 8 cores (on 2 cores a second worker "
+                             "measured no faster, the stages needing the cores), else one per "
+                             "4 cores up to 4. A Cancel reaching a worker that does not hold "
+                             "the request is forwarded to the others; maxRunning and maxQueued "
+                             "hold per worker")
+    parser.add_argument("--worker-socket-dir", default=None,
+                        help="with several workers: where worker I listens for its siblings' "
+                             "calls, DIR/worker-I.sock (default a fresh temporary directory)")
+    parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     # gRPC core logs nothing unless GRPC_VERBOSITY asks; it reads the variable when imported,
     # hence the imports below.
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
-    from services.orchestrator.dns import parse_target
-    from services.orchestrator.service import ClusterOptions, serve
-    from services.orchestrator.topology import load_topology
-    from services.server import ServerOptions
-
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        options = ServerOptions(host=args.host, port=args.port,
-                                max_message_bytes=int(args.max_message_mb * (1 << 20)),
-                                grace_s=args.grace_s)
-        cluster = ClusterOptions(args.peers, args.discover_interval_s)
-        if cluster.peers is not None:
-            parse_target(cluster.peers)
-        asyncio.run(serve(load_topology(args.topology), options, args.metrics_port,
-                          cluster=cluster))
+        if args.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {args.workers}")
+        if args.workers > 1 and args.worker_index is None:
+            return _supervise(args, argv)
+        _serve(args)
     except ServiceError as exc:
         print(f"orchestrator: {exc.code}: {exc.message}", file=sys.stderr)
         return 2
@@ -63,14 +73,63 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:  # gRPC's bind failure
         if "bind" not in str(exc).lower():
             raise
-        print(f"orchestrator: UNAVAILABLE: cannot listen on {args.host}:{args.port} (in use, or "
-              f"not an address of this machine): stop what listens there, or pick another "
-              f"port with --port (0 = any free port)", file=sys.stderr)
-        return 2
+        return _cannot_listen(args)
     except KeyboardInterrupt:  # before the server took over SIGINT (it drains and exits 0)
-        print("orchestrator: interrupted", file=sys.stderr)
+        if not is_launched():  # a worker, or a child of `up`: the parent says it
+            print("orchestrator: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _serve(args: argparse.Namespace) -> None:
+    """One process serving (the only one, or worker `args.worker_index`)."""
+    from services.orchestrator.dns import parse_target
+    from services.orchestrator.service import ClusterOptions, serve
+    from services.orchestrator.topology import load_topology
+    from services.orchestrator.workers import worker_sockets
+    from services.server import ServerOptions
+
+    is_worker = args.worker_index is not None
+    options = ServerOptions(host=args.host, port=args.port,
+                            max_message_bytes=int(args.max_message_mb * (1 << 20)),
+                            grace_s=args.grace_s, is_port_shared=is_worker)
+    own: str | None = None
+    siblings: tuple[str, ...] = ()
+    if is_worker:
+        own, siblings = worker_sockets(args.worker_socket_dir, args.worker_index, args.workers)
+    cluster = ClusterOptions(args.peers, args.discover_interval_s, own, siblings)
+    if cluster.peers is not None:
+        parse_target(cluster.peers)
+    asyncio.run(serve(load_topology(args.topology), options, args.metrics_port,
+                      cluster=cluster))
+
+
+def _supervise(args: argparse.Namespace, argv: list[str]) -> int:
+    """Check what every worker would refuse (one message, not one per worker), then run them."""
+    from services.orchestrator.dns import parse_target
+    from services.orchestrator.topology import load_topology
+    from services.orchestrator.workers import supervise
+    from services.server import ServerOptions
+    from services.workers import reserve_port
+
+    ServerOptions(host=args.host, port=args.port, grace_s=args.grace_s,
+                  max_message_bytes=int(args.max_message_mb * (1 << 20)))
+    load_topology(args.topology)
+    if args.peers is not None:
+        parse_target(args.peers)
+    try:
+        reservation = reserve_port(args.host, args.port)
+    except OSError:
+        return _cannot_listen(args)
+    return supervise(argv, reservation, args.workers, args.worker_socket_dir,
+                     args.metrics_port, args.grace_s)
+
+
+def _cannot_listen(args: argparse.Namespace) -> int:
+    print(f"orchestrator: UNAVAILABLE: cannot listen on {args.host}:{args.port} (in use, or "
+          f"not an address of this machine): stop what listens there, or pick another "
+          f"port with --port (0 = any free port)", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

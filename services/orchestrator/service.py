@@ -14,7 +14,7 @@ from services.metrics import serve_metrics
 from services.orchestrator.codec import GenerateInput
 from services.orchestrator.core import Orchestrator
 from services.orchestrator.discovery import DEFAULT_INTERVAL_S
-from services.orchestrator.peers import Peers, is_forwarded
+from services.orchestrator.peers import Peers, forwarded_from
 from services.orchestrator.topology import Topology
 from services.server import ServerHandle, ServerOptions, create_server, serve_until_signal
 from services.telemetry import context_from, init_tracing
@@ -41,9 +41,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     async def Cancel(self, request: opb.CancelGenerateRequest,
                      context: grpc.aio.ServicerContext) -> opb.CancelGenerateResponse:
         found = self.orchestrator.cancel(request.request_id)
-        if not found and self.peers is not None \
-                and not is_forwarded(context.invocation_metadata()):
-            found = await self.peers.cancel(request.request_id)
+        if not found and self.peers is not None:
+            found = await self.peers.cancel(request.request_id,
+                                            forwarded_from(context.invocation_metadata()))
         return opb.CancelGenerateResponse(found=found)
 
     async def Topology(self, request: opb.TopologyRequest, context: grpc.aio.ServicerContext
@@ -53,11 +53,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
 @dataclass(frozen=True)
 class ClusterOptions:
-    """How an orchestrator finds what moves: peers (other orchestrator replicas, for Cancel)
-    and how often discovered stages are resolved again."""
+    """How an orchestrator finds what moves: peers (other orchestrator replicas, and the
+    sibling workers of this one, for Cancel) and how often discovered stages are resolved
+    again."""
 
     peers: str | None = None  # a DNS target (dns:///orchestrator-headless:50050)
     discover_interval_s: float = DEFAULT_INTERVAL_S
+    private_address: str | None = None  # this worker's own socket ("unix:/path")
+    workers: tuple[str, ...] = ()  # the sibling workers' own sockets
 
     def __post_init__(self) -> None:
         if self.discover_interval_s <= 0:
@@ -69,14 +72,17 @@ async def create_orchestrator_server(topology: Topology, options: ServerOptions,
                                      cluster: ClusterOptions = ClusterOptions()
                                      ) -> tuple[ServerHandle, Orchestrator]:
     """Check every stage (Describe), then serve the Orchestrator API."""
-    peers = None if cluster.peers is None else Peers(cluster.peers)
+    peers = None
+    if cluster.peers is not None or cluster.workers:
+        peers = Peers(cluster.peers, cluster.workers)
     orchestrator = Orchestrator(topology, options.max_message_bytes,
                                 cluster.discover_interval_s)
     try:
         await orchestrator.start(wait_s)
         handle = await create_server(options, [(
             orchestrator_pb2_grpc.add_OrchestratorServicer_to_server,
-            OrchestratorServicer(orchestrator, peers), SERVICE_NAME)])
+            OrchestratorServicer(orchestrator, peers), SERVICE_NAME)],
+            () if cluster.private_address is None else (cluster.private_address,))
     except BaseException:
         await orchestrator.close()
         raise
