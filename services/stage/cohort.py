@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from services.errors import ResourceExhausted, ServiceError
@@ -20,6 +20,9 @@ from services.stage.ending import FinishReason
 from services.stage.slot import Slot
 
 MAX_PENDING_REFUSALS = 1024
+# A member whose window holds at most this many events may be held within the steps in flight
+# (step_loop.MAX_IN_FLIGHT); the loop looks only at those, not at every member of every stream.
+LOW_WINDOW = 2
 
 
 @dataclass
@@ -57,6 +60,7 @@ class Cohort:
         self.joined: dict[int, Slot] = {}  # every slot that joined and is not finished yet
         self.credits = 0
         self.member_credits: dict[int, int] = {}  # slot id -> its own window, when it has one
+        self._low: set[int] = set()  # members whose own window is at most LOW_WINDOW
         self.is_client_done = False
         self.is_closed = False
         self._out_since: float | None = None  # when the window last ran dry
@@ -80,7 +84,7 @@ class Cohort:
 
     def grant_member(self, slot_id: int, credits: int) -> None:
         """Add to a live member's own window; a slot that is not one is ignored (it may have
-        just ended)."""
+        just ended). The caller wakes the loop once for all the grants of a message."""
         if slot_id not in self.members:
             return
         total = self.member_credits.get(slot_id, 0) + credits
@@ -88,13 +92,26 @@ class Cohort:
             raise ResourceExhausted(
                 f"slot {slot_id}'s window would reach {total}; the most a member may hold "
                 f"is {self.max_window}")
-        self.member_credits[slot_id] = total
-        self._wake()
+        self._set_own(slot_id, total)
 
     def available(self, slot_id: int) -> int:
         """Events with tokens this member may still receive."""
         own = self.member_credits.get(slot_id)
         return self.credits if own is None else min(self.credits, own)
+
+    def low_members(self) -> Iterator[tuple[Slot, int]]:
+        """(slot, available) of every live member with at most LOW_WINDOW events available:
+        all of them when the stream's own window is that low, else those whose own is."""
+        sids: Iterable[int] = self.members if self.credits <= LOW_WINDOW else self._low
+        for sid in sids:
+            yield self.members[sid], self.available(sid)
+
+    def _set_own(self, slot_id: int, credits: int) -> None:
+        self.member_credits[slot_id] = credits
+        if credits <= LOW_WINDOW:
+            self._low.add(slot_id)
+        else:
+            self._low.discard(slot_id)
 
     @property
     def starved_since(self) -> float | None:
@@ -111,6 +128,7 @@ class Cohort:
         """The member's run ended: it takes no more steps."""
         self.members.pop(slot_id, None)
         self.member_credits.pop(slot_id, None)
+        self._low.discard(slot_id)
 
     def forget(self, slot: Slot) -> None:
         """The slot is finished or freed: the stream keeps nothing of it."""
@@ -141,7 +159,7 @@ class Cohort:
         for m in event.members:
             own = self.member_credits.get(m.slot_id)
             if own is not None and m.token_ids:
-                self.member_credits[m.slot_id] = max(0, own - 1)
+                self._set_own(m.slot_id, max(0, own - 1))
         self._queue.put_nowait(event)
 
     def client_done(self) -> None:

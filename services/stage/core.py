@@ -148,8 +148,10 @@ class StageCore:
         """More credits for the stream and for members' own windows."""
         if credits:
             cohort.grant(credits)
-        for sid, n in (member_credits or {}).items():
-            cohort.grant_member(sid, n)
+        if member_credits:
+            for sid, n in member_credits.items():
+                cohort.grant_member(sid, n)
+            self.loop.wake()
 
     def close_cohort(self, cohort: Cohort, is_broken: bool) -> None:
         """The stream ended. After a clean end its members await Finish as usual; after a

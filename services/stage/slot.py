@@ -9,6 +9,7 @@ holds timings and counters for Diagnostics, metrics and traces. Only `SlotMachin
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -102,7 +103,7 @@ class Slot:
     touched_at: float = field(default_factory=time.monotonic)
     diagnostics: dict[str, Any] = field(default_factory=dict)  # fixed at Finish
 
-    @property
+    @functools.cached_property
     def runtime_id(self) -> str:
-        """The id of its run in the stepper."""
+        """The id of its run in the stepper (read for every member of every step)."""
         return f"slot-{self.slot_id}"

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from services.errors import Internal
-from services.stage.cohort import Cohort, CohortEvent, MemberUpdate
+from services.stage.cohort import LOW_WINDOW, Cohort, CohortEvent, MemberUpdate
 from services.stage.decode_thread import DecodeThread, Result
 from services.stage.slot import Slot
 from services.stage.stepper import RunEvent, Stepper
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 # Results of the decode thread not yet delivered and handled: with two, a cancel lands
 # within two steps of the last one delivered and a blocking subscriber still holds decoding.
 MAX_IN_FLIGHT = 2
+assert MAX_IN_FLIGHT <= LOW_WINDOW
 
 Pairs = list[tuple[Slot, RunEvent]]
 
@@ -85,9 +86,11 @@ class StepLoop:
         credits cover beyond the results not yet dispatched."""
         if self._thread is None:
             return
-        limits = {slot.runtime_id: self._dispatched + cohort.available(sid)
+        # Results not yet dispatched are fewer than MAX_IN_FLIGHT, so only a member with at
+        # most that many events available can be at its limit: the rest need no entry.
+        limits = {slot.runtime_id: self._dispatched + available
                   for cohort in self.cohorts if not cohort.is_closed
-                  for sid, slot in cohort.members.items()}
+                  for slot, available in cohort.low_members()}
         self._thread.permit(self._handled + MAX_IN_FLIGHT, limits, resume)
 
     async def _deliver(self, results: asyncio.Queue[Result]) -> None:
