@@ -53,7 +53,15 @@ class CohortStream:
         self.endpoint = endpoint
         self._stub = stub
         self._on_closed = on_closed
-        self._out: asyncio.Queue[pb.StepRequest | None] = asyncio.Queue()
+        # What the next Step message carries. Joins and credits wait here and leave as one
+        # message whenever the stream can take another write: a write waits for the one
+        # before it, and 64 members returning credits every step as messages of their own
+        # queued faster than they left, holding the stage's members for want of credit.
+        self._joins: list[int] = []
+        self._credits = 0
+        self._member_credits: dict[int, int] = {}
+        self._is_ending = False  # no message after what is pending
+        self._has_pending = asyncio.Event()
         self._members: dict[int, _Member] = {}
         self._call: Any = None
         self._reader: asyncio.Task[None] | None = None
@@ -69,14 +77,12 @@ class CohortStream:
         to `sink`."""
         self._members[slot_id] = _Member(sink)
         self.num_joined += 1
-        window = [pb.MemberCredit(slot_id=slot_id, credits=MEMBER_WINDOW)]
+        self._joins.append(slot_id)
+        self._send(0, slot_id, MEMBER_WINDOW)
         if self._call is None:
-            self._out.put_nowait(pb.StepRequest(join=[slot_id], credits=WINDOW,
-                                                member_credits=window))
+            self._credits += WINDOW
             self._call = self._stub.Step(self._requests())
             self._reader = asyncio.get_running_loop().create_task(self._read())
-        else:
-            self._out.put_nowait(pb.StepRequest(join=[slot_id], member_credits=window))
 
     def grant(self, slot_id: int, consumed: int) -> None:
         """The reader of `slot_id` took `consumed` updates that spent a credit: give them back
@@ -90,8 +96,7 @@ class CohortStream:
         if member.sink.num_waiting(self.stage_id) <= MEMBER_WINDOW:
             released, member.held = member.held, 0
         if credits or released:
-            self._out.put_nowait(pb.StepRequest(credits=released, member_credits=[
-                pb.MemberCredit(slot_id=slot_id, credits=credits)] if credits else []))
+            self._send(released, slot_id, credits)
 
     def leave(self, slot_id: int) -> None:
         """Stop routing `slot_id`'s updates (its run is over); stream credits kept for it go
@@ -101,20 +106,42 @@ class CohortStream:
             self._release(member)
 
     async def close(self) -> None:
-        self._out.put_nowait(None)
+        self._end_requests()
         if self._reader is not None:
             self._reader.cancel()
 
     def _release(self, member: _Member) -> None:
         if member.held and not self.is_closed:
-            self._out.put_nowait(pb.StepRequest(credits=member.held))
+            self._send(member.held)
         member.held = 0
 
+    def _send(self, credits: int, slot_id: int | None = None, member_credits: int = 0) -> None:
+        """Add stream credits and one member's credits to the next message."""
+        self._credits += credits
+        if slot_id is not None and member_credits:
+            self._member_credits[slot_id] = self._member_credits.get(slot_id, 0) + member_credits
+        self._has_pending.set()
+
+    def _end_requests(self) -> None:
+        """The request stream ends once what is pending has left."""
+        self._is_ending = True
+        self._has_pending.set()
+
     async def _requests(self) -> AsyncIterator[pb.StepRequest]:
+        """Everything pending as one message each time the stream takes a write; the stage
+        applies a message's joins before its credits, so a member's window may come with
+        its join."""
         while True:
-            msg = await self._out.get()
-            if msg is None:
-                return
+            if not (self._joins or self._credits or self._member_credits):
+                if self._is_ending:
+                    return
+                self._has_pending.clear()
+                await self._has_pending.wait()
+                continue
+            msg = pb.StepRequest(join=self._joins, credits=self._credits, member_credits=[
+                pb.MemberCredit(slot_id=sid, credits=n)
+                for sid, n in self._member_credits.items()])
+            self._joins, self._credits, self._member_credits = [], 0, {}
             yield msg
 
     def _route(self, ev: pb.StepEvent) -> None:
@@ -139,7 +166,7 @@ class CohortStream:
                 member.sink.put((self.stage_id, error_for(
                     r.code, f"stage {self.stage_id} refused the join: {r.message}")))
         if over is None:
-            self._out.put_nowait(pb.StepRequest(credits=1))
+            self._send(1)
         else:
             over.held += 1
 
@@ -153,7 +180,7 @@ class CohortStream:
         except asyncio.CancelledError:
             pass
         self.is_closed = True
-        self._out.put_nowait(None)  # the request generator returns instead of being torn down
+        self._end_requests()  # the request generator returns instead of being torn down
         why = f"{error.code().name}: {error.details()}" if error else "the stream ended"
         for sid, member in list(self._members.items()):
             member.sink.put((self.stage_id, Unavailable(

@@ -1,8 +1,8 @@
 """Member windows on a shared Step stream, as the orchestrator keeps them: a join grants its
 window in the same message, the stream credit of each event goes back at once, a member's
-credits go back only as its reader takes its updates (one message per read, once the caller
-asks for the next event), and a stage that ignores member windows is held through the stream
-credits the slow member keeps."""
+credits go back only as its reader takes its updates (once the caller asks for the next
+event), a stage that ignores member windows is held through the stream credits the slow
+member keeps, and whatever waits while a write is under way leaves as one message."""
 
 from __future__ import annotations
 
@@ -25,11 +25,14 @@ class FakeStep:
     def __init__(self) -> None:
         self.sent: list[pb.StepRequest] = []
         self.events: asyncio.Queue[pb.StepEvent | None] = asyncio.Queue()
+        self.writable = asyncio.Event()  # cleared: a write is under way and does not end
+        self.writable.set()
 
     def __call__(self, requests: Any) -> FakeStep:
         async def pump() -> None:
             async for msg in requests:
                 self.sent.append(msg)
+                await self.writable.wait()
         self._pump = asyncio.get_running_loop().create_task(pump())
         return self
 
@@ -69,17 +72,29 @@ def _window(msg: pb.StepRequest) -> dict[int, int]:
     return {c.slot_id: c.credits for c in msg.member_credits}
 
 
+def _windows(sent: list[pb.StepRequest]) -> dict[int, int]:
+    """Member credits of several messages, added up by slot."""
+    out: dict[int, int] = {}
+    for msg in sent:
+        for c in msg.member_credits:
+            out[c.slot_id] = out.get(c.slot_id, 0) + c.credits
+    return out
+
+
 def test_windows_are_granted_with_the_join_and_returned_per_read() -> None:
     async def scenario() -> None:
         stream, step, slow, fast = _open()
         joins = await step.settle()
-        assert [list(m.join) for m in joins] == [[1], [2]]
-        assert joins[0].credits == WINDOW
-        assert [_window(m) for m in joins] == [{1: MEMBER_WINDOW}, {2: MEMBER_WINDOW}]
+        assert [sid for m in joins for sid in m.join] == [1, 2]
+        assert joins[0].join[0] == 1 and joins[0].credits == WINDOW
+        assert sum(m.credits for m in joins) == WINDOW
+        for m in joins:  # each join's window travels with it
+            assert set(_window(m)) == set(m.join)
+        assert _windows(joins) == {1: MEMBER_WINDOW, 2: MEMBER_WINDOW}
         for i in range(5):
             step.events.put_nowait(_token_event(i, 1, 2))
         sent = await step.settle()
-        assert [m.credits for m in sent] == [1] * 5 and not any(m.member_credits for m in sent)
+        assert sum(m.credits for m in sent) == 5 and not any(m.member_credits for m in sent)
         assert len(slow) == 5 and slow.num_waiting("llm") == 5
         for _ in range(5):
             fast.take()
@@ -104,6 +119,7 @@ def test_a_stage_that_ignores_member_windows_is_held_by_the_slow_member() -> Non
             step.events.put_nowait(_token_event(i, 1))
         sent = await step.settle()
         assert sum(m.credits for m in sent) == MEMBER_WINDOW  # the rest are kept
+        assert not any(m.member_credits for m in sent)
         while len(slow):
             slow.take()
         stream.grant(1, slow.take_consumed()["llm"])
@@ -115,6 +131,31 @@ def test_a_stage_that_ignores_member_windows_is_held_by_the_slow_member() -> Non
         assert sum(m.credits for m in await step.settle()) == MEMBER_WINDOW
         stream.leave(1)
         assert [m.credits for m in await step.settle()] == [2]
+        await stream.close()
+
+    asyncio.run(scenario())
+
+
+def test_what_waits_behind_a_write_leaves_as_one_message() -> None:
+    async def scenario() -> None:
+        stream, step, slow, fast = _open()
+        await step.settle()
+        step.writable.clear()  # the next write stays under way
+        step.events.put_nowait(_token_event(0, 1, 2))
+        (first,) = await step.settle()
+        assert first.credits == 1
+        for i in range(1, 9):  # eight events and both readers' credits meanwhile
+            step.events.put_nowait(_token_event(i, 1, 2))
+        await step.settle()
+        for buffer, sid in ((slow, 1), (fast, 2)):
+            while len(buffer):
+                buffer.take()
+            stream.grant(sid, buffer.take_consumed()["llm"])
+        assert await step.settle() == []  # nothing leaves while the write is under way
+        step.writable.set()
+        (merged,) = await step.settle()
+        assert merged.credits == 8 and _window(merged) == {1: 9, 2: 9}
+        assert not merged.join
         await stream.close()
 
     asyncio.run(scenario())
