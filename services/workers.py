@@ -124,7 +124,7 @@ class WorkerGroup:
             if self.is_stopping:
                 break
             self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                                               env=env))
+                                               env=env, preexec_fn=_prepare_worker))
         lines = []
         for i, proc in enumerate(self.procs):
             assert proc.stdout is not None
@@ -162,7 +162,9 @@ class WorkerGroup:
                 return 1
             time.sleep(0.1)
         codes = [self._wait(proc) for proc in self.procs]
-        return 0 if all(c == 0 for c in codes) else 1
+        # A worker that stopped on a signal of its own (a terminal's Ctrl-C) has put back the
+        # default handlers by the time the forwarded SIGTERM comes: it ends by that signal.
+        return 0 if all(c in (0, -signal.SIGTERM) for c in codes) else 1
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signal = signum
@@ -181,6 +183,19 @@ class WorkerGroup:
         except subprocess.TimeoutExpired:
             proc.kill()
             return proc.wait()
+
+
+def _prepare_worker() -> None:
+    """In a worker, before it runs: Ctrl-C ignored until its server takes the signal (the
+    supervisor stops a worker still starting; Python keeps an ignored SIGINT ignored, so a
+    Ctrl-C during its imports cannot end it in a traceback), and SIGTERM when the supervisor
+    dies (even by SIGKILL), so no worker outlives it and serves the port unsupervised."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform == "linux":
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _copy_lines(proc: subprocess.Popen[str]) -> None:

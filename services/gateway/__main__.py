@@ -51,8 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # read when grpc is imported, below
-    from services.gateway.server import serve
-
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         config = GatewayConfig(orchestrator=args.orchestrator, host=args.host, port=args.port,
@@ -70,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                 return WorkerGroup("gateway", commands, STOP_GRACE_S).run(reservation)
             finally:
                 reservation.close()
+        from services.gateway.server import serve  # not in a supervisor: aiohttp, grpc
+
         asyncio.run(serve(config, args.metrics_port))
     except ValueError as exc:
         print(f"gateway: INVALID_ARGUMENT: {exc}", file=sys.stderr)

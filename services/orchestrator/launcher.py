@@ -2,25 +2,36 @@
 stage replica is an `llm-runner serve` child process (or its `launch.command`) on a free
 loopback port; the orchestrator runs in this process; once it serves, the OpenAI-compatible
 gateway (`python -m services.gateway`) starts as one more child in front of it, unless
-`http_port` is None. Ctrl-C (or SIGTERM) stops the orchestrator, then the children (each
-drains on SIGTERM). A child that cannot start raises FailedPrecondition (its command is
-missing) or Unavailable (it exited before listening)."""
+`http_port` is None. With several workers (`workers` > 1) the orchestrator is a child too,
+`python -m services.orchestrator --workers N` over the launched topology written to a file,
+and the gateway runs as many workers. Ctrl-C (or SIGTERM) stops the orchestrator, then the
+children (each drains on SIGTERM). A child that cannot start raises FailedPrecondition (its
+command is missing) or Unavailable (it exited before listening)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 from services.errors import FailedPrecondition, Unavailable
 from services.launched import LAUNCHED_ENV
 from services.orchestrator.service import serve
-from services.orchestrator.topology import Topology, load_topology, single_stage, with_endpoints
+from services.orchestrator.topology import (
+    Topology,
+    load_topology,
+    single_stage,
+    topology_doc,
+    with_endpoints,
+)
 from services.server import ServerOptions
 
 log = logging.getLogger(__name__)
@@ -35,6 +46,7 @@ class ChildProcess:
     """A child server that prints "... listening on HOST:PORT" once it serves."""
 
     def __init__(self, cmd: list[str], what: str, host: str) -> None:
+        self.what = what
         try:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                                          env=os.environ | CHILD_ENV)
@@ -83,9 +95,21 @@ class StageProcess(ChildProcess):
 class GatewayProcess(ChildProcess):
     """The `python -m services.gateway` child in front of the orchestrator at `target`."""
 
-    def __init__(self, target: str, host: str, port: int) -> None:
+    def __init__(self, target: str, host: str, port: int, workers: int = 1) -> None:
         super().__init__([sys.executable, "-m", "services.gateway", "--orchestrator", target,
-                          "--host", host, "--port", str(port)], "gateway", host)
+                          "--host", host, "--port", str(port), "--workers", str(workers)],
+                         "gateway", host)
+
+
+class OrchestratorProcess(ChildProcess):
+    """`python -m services.orchestrator --workers N` over the topology file `topology`."""
+
+    def __init__(self, topology: Path, options: ServerOptions, workers: int) -> None:
+        super().__init__([sys.executable, "-m", "services.orchestrator", "--topology",
+                          str(topology), "--host", options.host, "--port", str(options.port),
+                          "--grace-s", str(options.grace_s), "--max-message-mb",
+                          str(options.max_message_bytes / (1 << 20)), "--workers",
+                          str(workers)], "orchestrator", options.host)
 
 
 def _not_runnable(command: str, exc: OSError) -> str:
@@ -115,9 +139,11 @@ def launch_stages(topology: Topology, host: str) -> tuple[Topology, list[StagePr
     return with_endpoints(topology, endpoints), procs
 
 
-def up(topology_path: str | None, options: ServerOptions, http_port: int | None = None) -> None:
+def up(topology_path: str | None, options: ServerOptions, http_port: int | None = None,
+       workers: int = 1) -> None:
     """Serve the deployment until SIGTERM or SIGINT; `http_port` (0: any free) is the
-    gateway's, None for no gateway."""
+    gateway's, None for no gateway; `workers`: the orchestrator's and the gateway's worker
+    processes (1: the orchestrator in this process)."""
     procs: list[ChildProcess]
     if topology_path is None:
         procs = [StageProcess(None, None, options.host)]
@@ -127,6 +153,13 @@ def up(topology_path: str | None, options: ServerOptions, http_port: int | None 
         procs = list(stages)
     for p in procs:
         print(f"llm-stage: stage process {p.proc.pid} on {p.endpoint}", flush=True)
+    if workers > 1:
+        try:
+            _up_workers(topology, procs, options, http_port, workers)
+        finally:
+            for p in reversed(procs):
+                p.stop()
+        return
 
     async def start_gateway(port: int) -> None:
         if http_port is None:
@@ -142,3 +175,39 @@ def up(topology_path: str | None, options: ServerOptions, http_port: int | None 
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+def _up_workers(topology: Topology, procs: list[ChildProcess], options: ServerOptions,
+                http_port: int | None, workers: int) -> None:
+    """The orchestrator and the gateway as child processes of `workers` workers each; returns
+    on SIGTERM or SIGINT, raises Unavailable when a child exits with an error."""
+    with tempfile.TemporaryDirectory(prefix="llmstage-up-") as tmp:
+        path = Path(tmp) / "topology.json"
+        path.write_text(json.dumps(topology_doc(topology)))
+        procs.append(OrchestratorProcess(path, options, workers))
+        print(procs[-1].line, end="", flush=True)
+        if http_port is not None:
+            host = "127.0.0.1" if options.host in ("0.0.0.0", "::", "") else options.host
+            port = procs[-1].endpoint.rsplit(":", 1)[1]
+            procs.append(GatewayProcess(f"{host}:{port}", options.host, http_port, workers))
+            print(procs[-1].line, end="", flush=True)
+        _wait_for_stop(procs)
+
+
+def _wait_for_stop(procs: list[ChildProcess]) -> None:
+    """Until SIGTERM or SIGINT, or a child exits: one that exits 0 was told to stop (a
+    terminal's Ctrl-C reaches every process of the group); else Unavailable."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stop.wait(0.2):
+            for p in procs:
+                code = p.proc.poll()
+                if code == 0:
+                    return
+                if code is not None:
+                    raise Unavailable(f"{p.what} process {p.proc.pid} exited with code {code}")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

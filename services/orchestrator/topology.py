@@ -86,6 +86,19 @@ def with_endpoints(topology: Topology, endpoints: dict[str, list[str]]) -> Topol
     return replace(topology, stages=stages)
 
 
+def topology_doc(topology: Topology) -> dict[str, Any]:
+    """The document `parse_topology` reads back as `topology`, less `launch` (a launched
+    stage's endpoints stand for it): how `llm-runner up` hands its topology to a process."""
+    stages = []
+    for s in topology.stages:
+        where = {"discover": s.discover} if s.discover else {"endpoints": list(s.endpoints)}
+        stages.append({"id": s.stage_id, "runner": s.runner, **where, "emits": list(s.emits),
+                       "inputs": list(s.inputs), "onMissing": s.on_missing})
+    return {"stages": stages, "sinks": list(topology.sinks),
+            "defaultSinks": list(topology.default_sinks), "maxRunning": topology.max_running,
+            "maxQueued": topology.max_queued}
+
+
 def load_topology(path: str | Path) -> Topology:
     p = Path(path)
     if not p.is_file():

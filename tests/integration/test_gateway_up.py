@@ -1,6 +1,6 @@
 """`llm-stage up` starts the HTTP gateway with the deployment: it answers the text
-`llm-stage generate` prints, stops with the rest on Ctrl-C, and a busy --http-port stops the
-command before any stage starts."""
+`llm-stage generate` prints, stops with the rest on Ctrl-C (with one process each, or two
+workers each), and a busy --http-port stops the command before any stage starts."""
 
 from __future__ import annotations
 
@@ -9,18 +9,23 @@ import signal
 import socket
 import subprocess
 
+import pytest
 from http_gateway import ENV, LLM_STAGE, LONG, ROOT, llm_stage_generate, request
 
 
-def test_up_serves_the_openai_api_too() -> None:
-    up = subprocess.Popen([*LLM_STAGE, "up", "--port", "0"], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_up_serves_the_openai_api_too(workers: int) -> None:
+    up = subprocess.Popen([*LLM_STAGE, "up", "--port", "0", "--workers", str(workers)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                          cwd=ROOT)
     try:
         assert up.stdout is not None
         lines = [up.stdout.readline() for _ in range(3)]
         orch = re.search(r"orchestrator listening on ([\d.]+:\d+)", lines[1])
         gw = re.search(r"gateway listening on (http://[\d.]+:\d+)", lines[2])
         assert orch and gw, lines
+        if workers > 1:
+            assert all(f"[{workers} workers]" in line for line in lines[1:]), lines
         expected = llm_stage_generate(orch.group(1), "The dog", "--temperature", "0",
                                       "--max-tokens", "12")
         status, _, body = request(f"{gw.group(1)}/v1/completions", {
