@@ -1,12 +1,15 @@
 """TTFT, inter-token latency and tokens/s three ways, at several concurrencies:
   - in-process: the runtime alone (submit every request, step until all end);
   - direct: clients calling the runner's Stage service themselves (Admit, Prepare, Step);
-  - orchestrator: clients calling Orchestrator.Generate over the same runner process.
+  - orchestrator: clients calling Orchestrator.Generate over the same runner process;
+    with `--workers 1,2` once per worker count (the orchestrator's `--workers`), the calls
+    dealt over `--channels` connections so that they reach every worker.
 Every request generates the same number of tokens (ignore_eos). Each mode runs on a fresh
 runner process started by this script; the in-process mode runs in this process.
 
 Usage: python benchmarks/bench_orchestrator.py [--model stories260K|smollm2]
-       [--concurrency 1,8,32] [--tokens 64] [--rounds 2]
+       [--concurrency 1,8,32] [--tokens 64] [--rounds 2] [--workers 1] [--channels 8]
+       [--modes in-process,direct,orchestrator]
 """
 
 from __future__ import annotations
@@ -127,18 +130,26 @@ async def _orch_one(stub: orchestrator_pb2_grpc.OrchestratorStub, i: int, num_to
     return first or 0.0, gaps
 
 
-async def over_grpc(mode: str, target: str, conc: int, num_tokens: int) -> dict:
-    async with grpc.aio.insecure_channel(target) as ch:
+async def over_grpc(mode: str, target: str, conc: int, num_tokens: int,
+                    num_channels: int = 1) -> dict:
+    # Each channel its own connection (a private subchannel pool): the kernel deals each
+    # connection to one of the orchestrator's workers.
+    chans = [grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+             for _ in range(num_channels)]
+    try:
         t0 = time.perf_counter()
         if mode == "direct":
-            stub = stage_pb2_grpc.StageStub(ch)
+            stub = stage_pb2_grpc.StageStub(chans[0])
             per = await asyncio.gather(*[_direct_one(stub, 10_000 + i, i, num_tokens, t0)
                                          for i in range(conc)])
         else:
-            ostub = orchestrator_pb2_grpc.OrchestratorStub(ch)
-            per = await asyncio.gather(*[_orch_one(ostub, i, num_tokens, t0)
+            ostubs = [orchestrator_pb2_grpc.OrchestratorStub(c) for c in chans]
+            per = await asyncio.gather(*[_orch_one(ostubs[i % num_channels], i, num_tokens, t0)
                                          for i in range(conc)])
         return summarize(mode, conc, time.perf_counter() - t0, list(per), num_tokens)
+    finally:
+        for c in chans:
+            await c.close()
 
 
 def main() -> None:
@@ -147,41 +158,58 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="runs per cell; the best is kept")
+    ap.add_argument("--workers", default="1", help="the orchestrator's worker counts to run")
+    ap.add_argument("--channels", type=int, default=8,
+                    help="client connections the orchestrator's calls are dealt over")
+    ap.add_argument("--modes", default="in-process,direct,orchestrator")
     args = ap.parse_args()
     concs = [int(c) for c in args.concurrency.split(",")]
+    worker_counts = [int(w) for w in args.workers.split(",")]
+    modes = args.modes.split(",")
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"model {args.model}, {args.tokens} tokens per request")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), {"backbone": {"maxSeq": 512, "maxBatch": 32,
-                                                   "artifact": args.model}})
-        try:
-            direct_target = dep.all_stages[0].endpoint
-            for conc in concs:
-                for mode in ("in-process", "direct", "orchestrator"):
-                    best = None
-                    for _ in range(args.rounds):
-                        if mode == "in-process":
-                            r = in_process(args.model, conc, args.tokens)
-                        else:
-                            target = direct_target if mode == "direct" else dep.target
-                            r = asyncio.run(over_grpc(mode, target, conc, args.tokens))
-                        if best is None or r["tokens_per_s"] > best["tokens_per_s"]:
-                            best = r
-                    rows.append(best)
-        finally:
-            dep.close()
+    for workers in worker_counts:
+        with tempfile.TemporaryDirectory() as tmp:
+            dep = Deployment(Path(tmp), {"backbone": {"maxSeq": 512, "maxBatch": 64,
+                                                       "artifact": args.model}},
+                             workers=workers)
+            try:
+                direct_target = dep.all_stages[0].endpoint
+                for conc in concs:
+                    for mode in modes:
+                        if mode != "orchestrator" and workers != worker_counts[0]:
+                            continue
+                        best = None
+                        for _ in range(args.rounds):
+                            if mode == "in-process":
+                                r = in_process(args.model, conc, args.tokens)
+                            else:
+                                target = direct_target if mode == "direct" else dep.target
+                                r = asyncio.run(over_grpc(mode, target, conc, args.tokens,
+                                                          args.channels))
+                            if best is None or r["tokens_per_s"] > best["tokens_per_s"]:
+                                best = r
+                        assert best is not None
+                        if mode == "orchestrator" and len(worker_counts) > 1:
+                            best["mode"] = f"orchestrator x{workers}"
+                        rows.append(best)
+            finally:
+                dep.close()
     print("| concurrency | mode | tokens/s | vs in-process | TTFT ms (median) | ITL ms (median) |")
     print("|---:|---|---:|---:|---:|---:|")
     for r in rows:
-        base = next(b for b in rows if b["concurrency"] == r["concurrency"]
-                    and b["mode"] == "in-process")
+        base = next((b for b in rows if b["concurrency"] == r["concurrency"]
+                     and b["mode"] == "in-process"), None)
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
         print(f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:,.1f} | "
-              f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} | {r['ttft_ms']:.1f} | "
-              f"{r['itl_ms']:.2f} |")
+              f"{ratio} | {r['ttft_ms']:.1f} | {r['itl_ms']:.2f} |")
     for conc in concs:
-        d = next(r for r in rows if r["concurrency"] == conc and r["mode"] == "direct")
-        o = next(r for r in rows if r["concurrency"] == conc and r["mode"] == "orchestrator")
+        d = next((r for r in rows if r["concurrency"] == conc and r["mode"] == "direct"), None)
+        o = next((r for r in rows if r["concurrency"] == conc
+                  and r["mode"].startswith("orchestrator")), None)
+        if d is None or o is None:
+            continue
         print(f"orchestrator overhead on tokens/s at concurrency {conc}: "
               f"{100 * (1 - o['tokens_per_s'] / d['tokens_per_s']):.1f}% vs direct "
               "(negative: the orchestrator is faster)")

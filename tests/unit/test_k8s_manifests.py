@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ import yaml
 from llm_runner_svc.stage.config import load_stage_config
 from services.orchestrator.dns import parse_target
 from services.orchestrator.topology import parse_topology
+from services.workers import default_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ("cpu", "gpu")
@@ -145,3 +147,15 @@ def test_gpu_overlay_runs_the_torch_engine_on_one_gpu_per_runner() -> None:
     assert 'pip install ".[torch]"' in dockerfile
     for src in re.findall(r"^COPY (\S+)", dockerfile, re.M):
         assert (ROOT / src).exists(), src
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_front_door_runs_the_measured_number_of_workers(overlay: str) -> None:
+    deployments = by_kind(render(overlay), "Deployment")
+    for name in ("orchestrator", "gateway"):
+        (c,) = deployments[name]["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert flag(c["args"], "--workers") == "$(WORKERS)", name  # Kubernetes expands it
+        cpu = c["resources"]["requests"]["cpu"]
+        cores = math.ceil(int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu))
+        assert int(env["WORKERS"]) == default_workers(cores), name
