@@ -17,7 +17,7 @@ import socket
 
 from llm_runner_svc.cli_common import HelpFormatter, bind_failure, is_bind_failure
 from llm_runner_svc.errors import InvalidArgument
-from services.workers import default_workers
+from services.workers import DEFAULT_WORKERS
 
 DEFAULT_HTTP_PORT = 8000
 
@@ -37,12 +37,12 @@ def add_up(sub: argparse._SubParsersAction) -> None:
                         "or any free port when --port is 0)")
     p.add_argument("--no-http", action="store_true",
                    help="start no HTTP gateway: the gRPC Orchestrator API only")
-    p.add_argument("--workers", type=int, default=default_workers(),
+    p.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
                    help="worker processes of the orchestrator and of the gateway, each set "
                         "serving its port together: one Python process relays a few tens of "
-                        "thousands of messages a second. 1 below 8 cores (on 2 cores a second "
-                        "worker measured no faster, the stages needing the cores), else one "
-                        "per 4 cores up to 4")
+                        "thousands of messages a second. On 2 cores a second worker measured "
+                        "no faster (the stages need the cores); raise it where the "
+                        "orchestrator's CPU is saturated and cores are spare")
 
 
 def run_up(args: argparse.Namespace) -> int:

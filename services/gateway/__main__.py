@@ -14,7 +14,7 @@ import sys
 
 from services.gateway.config import GatewayConfig
 from services.launched import is_launched, leave_interrupts_to_parent
-from services.workers import WorkerGroup, default_workers, reserve_port, worker_commands
+from services.workers import DEFAULT_WORKERS, WorkerGroup, reserve_port, worker_commands
 
 _DEFAULTS = GatewayConfig()
 
@@ -40,10 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on this port (0 = any free; default off); "
                              "with several workers, worker I on this port + I")
-    parser.add_argument("--workers", type=int, default=default_workers(),
+    parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
                         help="worker processes serving the port together (SO_REUSEPORT). "
-                             f"Default {default_workers()}: 1 below 8 cores (on 2 cores a "
-                             "second worker measured no faster), else one per 4 cores up to 4")
+                             f"Default {DEFAULT_WORKERS}, whatever the cores: on 2 cores a "
+                             "second worker measured no faster; raise it where this process's "
+                             "CPU is saturated and cores are spare")
     parser.add_argument("--orchestrator-channels", type=int, default=_DEFAULTS.num_channels,
                         help="gRPC connections to the orchestrator per worker, calls dealt "
                              "round robin: each connection reaches one orchestrator worker (or "

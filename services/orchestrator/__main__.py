@@ -13,7 +13,7 @@ import sys
 
 from services.errors import ServiceError
 from services.launched import is_launched, leave_interrupts_to_parent
-from services.workers import default_workers
+from services.workers import DEFAULT_WORKERS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,15 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--discover-interval-s", type=float, default=5.0,
                         help="how often stages named by 'discover' are resolved again "
                              "(default 5 s; sooner after a replica fails)")
-    parser.add_argument("--workers", type=int, default=default_workers(),
+    parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
                         help="worker processes serving the port together (SO_REUSEPORT), each "
                              "relaying its own share of the calls: one Python process relays a "
                              "few tens of thousands of messages a second. Default "
-                             f"{default_workers()}: 1 below 8 cores (on 2 cores a second worker "
-                             "measured no faster, the stages needing the cores), else one per "
-                             "4 cores up to 4. A Cancel reaching a worker that does not hold "
-                             "the request is forwarded to the others; maxRunning and maxQueued "
-                             "hold per worker")
+                             f"{DEFAULT_WORKERS}, whatever the cores: on 2 cores a second "
+                             "worker measured no faster (the stages need the cores); raise it "
+                             "where this process's CPU is saturated and cores are spare. A "
+                             "Cancel reaching a worker that does not hold the request is "
+                             "forwarded to the others; maxRunning and maxQueued hold per worker")
     parser.add_argument("--worker-socket-dir", default=None,
                         help="with several workers: where worker I listens for its siblings' "
                              "calls, DIR/worker-I.sock (default a fresh temporary directory)")

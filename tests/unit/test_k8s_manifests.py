@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import re
 import shutil
 import subprocess
@@ -22,7 +21,7 @@ import yaml
 from llm_runner_svc.stage.config import load_stage_config
 from services.orchestrator.dns import parse_target
 from services.orchestrator.topology import parse_topology
-from services.workers import default_workers
+from services.workers import DEFAULT_WORKERS
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ("cpu", "gpu")
@@ -156,6 +155,4 @@ def test_the_front_door_runs_the_measured_number_of_workers(overlay: str) -> Non
         (c,) = deployments[name]["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e["value"] for e in c["env"]}
         assert flag(c["args"], "--workers") == "$(WORKERS)", name  # Kubernetes expands it
-        cpu = c["resources"]["requests"]["cpu"]
-        cores = math.ceil(int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu))
-        assert int(env["WORKERS"]) == default_workers(cores), name
+        assert int(env["WORKERS"]) == DEFAULT_WORKERS, name

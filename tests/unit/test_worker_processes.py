@@ -1,4 +1,4 @@
-"""Worker processes without starting any: the default count, each worker's command, the
+"""Worker processes without starting any: each worker's command, the
 supervisor's one line, the port reservation, the launched topology's file, and where a Cancel
 is forwarded from each kind of sender."""
 
@@ -20,15 +20,10 @@ from services.orchestrator.topology import parse_topology, topology_doc
 from services.orchestrator.workers import worker_sockets
 from services.workers import (
     combined_line,
-    default_workers,
     reserve_port,
     worker_commands,
     worker_metrics_port,
 )
-
-
-def test_the_default_is_one_worker_below_eight_cores() -> None:
-    assert [default_workers(n) for n in (1, 2, 4, 7, 8, 12, 16, 64)] == [1, 1, 1, 1, 2, 3, 4, 4]
 
 
 def test_each_worker_gets_the_reserved_port_its_index_and_its_metrics_port() -> None:
