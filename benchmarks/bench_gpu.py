@@ -8,14 +8,16 @@ path) and each batch size, the median time of one decode step, measured five way
   - in-process: `InferenceRuntime.step()` over the torch engine (what the service drives);
   - grpc: our runner's Stage service on a loopback port, one Step stream with every member;
   - orchestrator: Orchestrator.Generate in its own process (as deployed) in front of that
-    runner, one call per request (`--inline-orchestrator`: on the runner's event loop);
+    runner, one call per request, the callers spread over --client-procs processes, once for
+    each count of --orchestrator-workers (`--workers N`: N processes on one port; the first
+    count is the table's column) (`--inline-orchestrator`: on the runner's event loop);
   - hf: Hugging Face `generate` (greedy, its default cache) on the same weights.
 Every request has a `--prompt`-token prompt and generates `--steps` tokens (greedy,
 ignore_eos). Prints one table with ratios and writes every figure as JSON.
 
 Usage: python benchmarks/bench_gpu.py [--shapes qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b]
        [--batches 1,8,32,64] [--prompt 128] [--steps 128] [--hf-steps 32] [--json FILE]
-       [--inline-orchestrator]
+       [--orchestrator-workers 1,2,4] [--client-procs 4] [--inline-orchestrator]
 """
 
 from __future__ import annotations
@@ -124,28 +126,34 @@ def graph_step_ms(engine: TorchEngine, batch: int, position: int) -> float:
 
 async def served(engine: TorchEngine, model, rt_config: RuntimeConfig, batches: list[int],
                  prompts: dict[int, list[list[int]]], steps: int,
-                 inline_orchestrator: bool = False) -> dict[int, dict]:
+                 args: argparse.Namespace) -> dict[int, dict]:
     """The runner's Stage service on a loopback port in this process and the orchestrator in
     front of it in its own process, as deployed (`inline_orchestrator`: in this process, on
     the runner's event loop); each client in a child process."""
     config = StageConfig(stage_id="backbone", engine="torch", max_batch=rt_config.max_batch,
                          max_seq=rt_config.max_seq)
     rt = InferenceRuntime(engine, model.tokenizer, rt_config)
-    out: dict[int, dict] = {}
-    async with gpu_paths.stage_server(config, model, rt) as target, \
-            orchestrator(target, inline_orchestrator) as orch_target:
+    out: dict[int, dict] = {b: {"orchestrator_ms_by_workers": {}} for b in batches}
+    async with gpu_paths.stage_server(config, model, rt) as target:
         for b in batches:
             direct = await gpu_paths.client_process("grpc_direct", target, prompts[b], steps)
-            via = await gpu_paths.client_process("grpc_orchestrator", orch_target, prompts[b],
-                                                 steps)
-            out[b] = {"grpc_ms": 1000 * direct, "orchestrator_ms": 1000 * via}
+            out[b]["grpc_ms"] = 1000 * direct
+        for i, workers in enumerate(args.orchestrator_workers):
+            async with orchestrator(target, args.inline_orchestrator, workers) as orch_target:
+                for b in batches:
+                    via = 1000 * await gpu_paths.client_process(
+                        "grpc_orchestrator", orch_target, prompts[b], steps,
+                        min(args.client_procs, b))
+                    out[b]["orchestrator_ms_by_workers"][workers] = via
+                    if i == 0:
+                        out[b]["orchestrator_ms"] = via
     return out
 
 
 @contextlib.asynccontextmanager
-async def orchestrator(stage_target: str, inline: bool) -> AsyncIterator[str]:
+async def orchestrator(stage_target: str, inline: bool, workers: int = 1) -> AsyncIterator[str]:
     if not inline:
-        async with gpu_paths.orchestrator_process(stage_target) as target:
+        async with gpu_paths.orchestrator_process(stage_target, workers) as target:
             yield target
         return
     handle, orch = await create_orchestrator_server(single_stage([stage_target]),
@@ -179,7 +187,7 @@ def bench_shape(name: str, args: argparse.Namespace, bandwidth: float) -> list[d
                      "graph_ms": graph_step_ms(engine, b, args.prompt),
                      "in_process_ms": 1000 * step})
     served_ms = asyncio.run(served(engine, model, rt_config, args.batches, prompts, args.steps,
-                                   args.inline_orchestrator))
+                                   args))
     for r in rows:
         r.update(served_ms[r["batch"]])
         with torch.no_grad():
@@ -199,25 +207,36 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--hf-steps", type=int, default=32)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--orchestrator-workers", default="1",
+                    help="worker counts of the orchestrator, each timed (the first is the "
+                         "table's column)")
+    ap.add_argument("--client-procs", type=int, default=4,
+                    help="processes the orchestrator's callers are spread over")
     ap.add_argument("--inline-orchestrator", action="store_true",
                     help="run the orchestrator on the runner's event loop, not in its own "
                          "process")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.orchestrator_workers = [int(w) for w in args.orchestrator_workers.split(",")]
     gpu = torch.cuda.get_device_name()
     bandwidth = copy_bandwidth()
     print(f"# {gpu}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"prompt {args.prompt}, {args.steps} decode steps", flush=True)
     rows = [r for name in args.shapes.split(",") for r in bench_shape(name, args, bandwidth)]
+    workers = args.orchestrator_workers
     print("| shape | batch | floor ms | graph ms | in-process ms | tok/s | gRPC ms | gRPC/in-proc "
-          "| orchestrator ms | HF ms | HF tok/s | vs HF | floor/in-proc |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"| orchestrator ms ({', '.join(f'{w}w' for w in workers)}) | orch/in-proc "
+          "| HF ms | HF tok/s | vs HF | floor/in-proc |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        b = r["batch"]
+        b, by_workers = r["batch"], r["orchestrator_ms_by_workers"]
+        orch_cols = ", ".join(f"{by_workers[w]:.2f}" for w in workers)
         print(f"| {r['shape']} | {b} | {r['floor_ms']:.2f} | {r['graph_ms']:.2f} | "
               f"{r['in_process_ms']:.2f} | {1000 * b / r['in_process_ms']:,.0f} | "
               f"{r['grpc_ms']:.2f} | {r['in_process_ms'] / r['grpc_ms']:.2f} | "
-              f"{r['orchestrator_ms']:.2f} | {r['hf_ms']:.1f} | {1000 * b / r['hf_ms']:,.0f} | "
+              f"{orch_cols} | "
+              f"{r['in_process_ms'] / r['orchestrator_ms']:.2f} | "
+              f"{r['hf_ms']:.1f} | {1000 * b / r['hf_ms']:,.0f} | "
               f"{r['hf_ms'] / r['in_process_ms']:.1f}x | "
               f"{r['floor_ms'] / r['in_process_ms']:.2f} |")
     if args.json:

@@ -3,10 +3,13 @@ of a batch that decodes together: the runtime in-process, our runner's Stage ser
 loopback port (one Step stream, every member joined), the orchestrator in front of it, and
 Hugging Face `generate` on the same weights.
 
-The gRPC clients run in a child process (`client_process`), as a real caller does, so the
+The gRPC clients run in child processes (`client_process`), as real callers do, so the
 client's own decoding does not share the serving process's interpreter and event loop:
 `python gpu_paths.py grpc_direct|grpc_orchestrator TARGET STEPS` with the prompts as JSON on
-stdin prints the median step time.
+stdin prints the step times it measured (one for the Step stream's median gap, one per request
+through the orchestrator). Orchestrator callers are spread over several processes: one Python
+process reads a few tens of thousands of messages a second, fewer than 64 requests of a small
+model receive.
 """
 
 from __future__ import annotations
@@ -100,9 +103,9 @@ async def stage_server(config: StageConfig, model: Model, rt: InferenceRuntime
 
 
 @contextlib.asynccontextmanager
-async def orchestrator_process(stage_target: str) -> AsyncIterator[str]:
-    """`python -m services.orchestrator` in its own process, as deployed, over the one stage
-    at `stage_target`; yields its address and stops it on the way out."""
+async def orchestrator_process(stage_target: str, workers: int = 1) -> AsyncIterator[str]:
+    """`python -m services.orchestrator --workers N` in its own process(es), as deployed, over
+    the one stage at `stage_target`; yields its address and stops it on the way out."""
     with tempfile.TemporaryDirectory() as tmp:
         topology = Path(tmp) / "topology.json"
         topology.write_text(json.dumps({
@@ -111,7 +114,8 @@ async def orchestrator_process(stage_target: str) -> AsyncIterator[str]:
             "sinks": ["backbone:text"], "defaultSinks": ["backbone:text"]}))
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "services.orchestrator", "--topology", str(topology),
-            "--port", "0", stdout=asyncio.subprocess.PIPE)
+            "--port", "0", *(["--workers", str(workers)] if workers > 1 else []),
+            stdout=asyncio.subprocess.PIPE)
         try:
             assert proc.stdout is not None
             line = (await proc.stdout.readline()).decode()
@@ -142,7 +146,7 @@ def _gaps(stamps: list[float]) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
-async def grpc_direct(target: str, prompts: list[list[int]], steps: int) -> float:
+async def grpc_direct(target: str, prompts: list[list[int]], steps: int) -> list[float]:
     async with grpc.aio.insecure_channel(target) as ch:
         stub = stage_pb2_grpc.StageStub(ch)
         slots = list(range(1, len(prompts) + 1))
@@ -170,10 +174,10 @@ async def grpc_direct(target: str, prompts: list[list[int]], steps: int) -> floa
         for slot in slots:
             await stub.Finish(pb.FinishRequest(slot_id=slot))
             await stub.Reset(pb.ResetRequest(slot_id=slot))
-    return statistics.median(_gaps(stamps))
+    return [statistics.median(_gaps(stamps))]
 
 
-async def grpc_orchestrator(target: str, prompts: list[list[int]], steps: int) -> float:
+async def grpc_orchestrator(target: str, prompts: list[list[int]], steps: int) -> list[float]:
     async with grpc.aio.insecure_channel(target) as ch:
         stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
 
@@ -189,8 +193,7 @@ async def grpc_orchestrator(target: str, prompts: list[list[int]], steps: int) -
             # first delta, not the gap between deltas.
             return (stamps[-1][0] - stamps[0][0]) / sum(n for _, n in stamps[1:])
 
-        per = await asyncio.gather(*[one(ids) for ids in prompts])
-    return statistics.median(per)
+        return list(await asyncio.gather(*[one(ids) for ids in prompts]))
 
 
 def hf_generate(model: torch.nn.Module, prompts: list[list[int]], steps: int) -> float:
@@ -216,18 +219,25 @@ def random_model(name: str, config, weights) -> Model:
                  tokenizer=IdTokenizer(config.vocab_size))
 
 
-async def client_process(path: str, target: str, prompts: list[list[int]], steps: int) -> float:
-    """Run the gRPC client `path` in a child process; its median step time (seconds)."""
-    proc = await asyncio.create_subprocess_exec(
+async def client_process(path: str, target: str, prompts: list[list[int]], steps: int,
+                         num_procs: int = 1) -> float:
+    """Run the gRPC client `path` in `num_procs` child processes, the prompts dealt among
+    them; the median of the step times they measured (seconds)."""
+    shares = [prompts[i::num_procs] for i in range(num_procs)]
+    procs = [await asyncio.create_subprocess_exec(
         sys.executable, __file__, path, target, str(steps), stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE)
-    out, _ = await proc.communicate(json.dumps(prompts).encode())
-    if proc.returncode != 0:
-        raise RuntimeError(f"{path} client exited with {proc.returncode}")
-    return float(out.decode().split()[-1])
+        stdout=asyncio.subprocess.PIPE) for share in shares if share]
+    outs = await asyncio.gather(*(proc.communicate(json.dumps(share).encode())
+                                  for proc, share in zip(procs, shares, strict=False)))
+    times: list[float] = []
+    for proc, (out, _) in zip(procs, outs, strict=True):
+        if proc.returncode != 0:
+            raise RuntimeError(f"{path} client exited with {proc.returncode}")
+        times.extend(json.loads(out.decode().splitlines()[-1]))
+    return statistics.median(times)
 
 
 if __name__ == "__main__":
     _path, _target, _steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     _client = {"grpc_direct": grpc_direct, "grpc_orchestrator": grpc_orchestrator}[_path]
-    print(asyncio.run(_client(_target, json.load(sys.stdin), _steps)))
+    print(json.dumps(asyncio.run(_client(_target, json.load(sys.stdin), _steps))))
