@@ -49,6 +49,14 @@ log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("llmstage.orchestrator")
 CONTROL_TIMEOUT_S = 30.0  # a single control call when the caller set no deadline
 MAX_TOKENS_PER_DELTA = 256  # the most a lagging caller's delta gathers
+# A relay whose event loop is behind: an update that waited longer than this before its
+# request took it. Every delta is a message, a send and a few wakeups, and a loop that sends
+# one delta per update for every member of every step never catches up (it reads one stage
+# event per turn of the loop, so updates never pile up to be gathered). A request that sees
+# its update waited that long waits as long again, at most PACING_MAX_S, and sends what
+# arrived meanwhile as one delta: fewer, larger deltas until the loop catches up.
+PACING_LAG_S = 0.001
+PACING_MAX_S = 0.01
 
 
 @dataclass
@@ -82,6 +90,7 @@ class RequestRun:
         self.has_first_token = False
         # Bounded by each stage's member window (cohorts.MEMBER_WINDOW) plus its ending.
         self._updates = UpdateBuffer()
+        self._by_stage = {p.stage_id: p for p in placements}
 
     # ---- the happy path ----------------------------------------------------------------
     async def events(self) -> AsyncIterator[Event]:
@@ -132,6 +141,8 @@ class RequestRun:
                     self.has_first_token = True
                     trace.get_current_span(self.trace_ctx).add_event(
                         "first_token", {"llmstage.stage_id": stage_id})
+                elif self._updates.head_wait_s > PACING_LAG_S:  # never the first token
+                    await asyncio.sleep(min(self._updates.head_wait_s, PACING_MAX_S))
                 token_ids, text = self._coalesce(stage_id, list(item.token_ids), item.text)
                 yield Delta(stage_id, sink_ports[stage_id], token_ids, text)
                 self._return_credits()
@@ -218,20 +229,23 @@ class RequestRun:
     def _return_credits(self) -> None:
         """Hand each stage the member credits of the updates taken since the last call: one
         Step message per stage, however many updates."""
-        by_stage = {p.stage_id: p for p in self.placements}
         for stage_id, n in self._updates.take_consumed().items():
-            p = by_stage[stage_id]
+            p = self._by_stage[stage_id]
             if p.stream is not None:
                 p.stream.grant(p.slot_id, n)
 
     async def _next_update(self) -> Item:
-        if not len(self._updates):
-            self._return_credits()  # all read: nothing else will hand these back
+        if len(self._updates):
+            self._remaining()  # raises once the deadline has passed
+            return self._updates.take()
+        self._return_credits()  # all read: nothing else will hand these back
         if self.deadline is None:
             return await self._updates.get()
-        remaining = self._remaining()  # raises once the deadline has passed
+        self._remaining()
         try:
-            return await asyncio.wait_for(self._updates.get(), remaining)
+            # a timer on the waiting task: wait_for would start a task of its own per update
+            async with asyncio.timeout_at(self.deadline):
+                return await self._updates.get()
         except TimeoutError:
             raise DeadlineExceeded(f"request {self.request_id}: deadline exceeded while "
                                    "generating") from None

@@ -35,6 +35,10 @@ class UpdateBuffer:
         self._waiting: Counter[str] = Counter()  # credit-spending updates not taken, by stage
         self._consumed: Counter[str] = Counter()  # ... taken since the last take_consumed
         self._ready = asyncio.Event()
+        # Loop time since the item at the head has waited (the buffer's last change of head
+        # when it holds several: a lower bound), and how long the item last taken waited.
+        self._head_since = 0.0
+        self.head_wait_s = 0.0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -44,6 +48,8 @@ class UpdateBuffer:
         return self._waiting[stage_id]
 
     def put(self, item: Item) -> None:
+        if not self._items:
+            self._head_since = asyncio.get_running_loop().time()
         self._items.append(item)
         if spends_credit(item[1]):
             self._waiting[item[0]] += 1
@@ -56,6 +62,8 @@ class UpdateBuffer:
     def take(self) -> Item:
         """Remove and return the next item (there must be one)."""
         item = self._items.popleft()
+        now = asyncio.get_running_loop().time()
+        self.head_wait_s, self._head_since = now - self._head_since, now
         if spends_credit(item[1]):
             self._waiting[item[0]] -= 1
             self._consumed[item[0]] += 1

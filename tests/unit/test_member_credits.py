@@ -2,18 +2,20 @@
 window in the same message, the stream credit of each event goes back at once, a member's
 credits go back only as its reader takes its updates (once the caller asks for the next
 event), a stage that ignores member windows is held through the stream credits the slow
-member keeps, and whatever waits while a write is under way leaves as one message."""
+member keeps, whatever waits while a write is under way leaves as one message, and a relay
+whose loop falls behind gathers updates into fewer deltas."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.orchestrator.codec import Delta, FinalReport
 from services.orchestrator.cohorts import MEMBER_WINDOW, WINDOW, CohortStream
 from services.orchestrator.routes import Route
-from services.orchestrator.run import Placement, RequestRun
+from services.orchestrator.run import PACING_LAG_S, Placement, RequestRun
 from services.orchestrator.updates import UpdateBuffer
 
 RUNNING, ENDED = pb.MEMBER_STATUS_RUNNING, pb.MEMBER_STATUS_ENDED
@@ -214,5 +216,40 @@ def test_a_read_hands_back_its_credits_when_the_caller_asks_for_more() -> None:
         final = await anext(events)
         assert replica.grants == [3, 1]  # the ending spent no credit and returns none
         assert isinstance(final, FinalReport) and final.usage.completion_tokens == 5
+
+    asyncio.run(scenario())
+
+
+def test_a_relay_that_falls_behind_gathers_updates_into_fewer_deltas() -> None:
+    async def scenario() -> None:
+        replica = FakeReplica()
+        run = RequestRun("r", pb.GenerationRequest(text="Hi"), Route(("llm",), ("llm:text",)),
+                         [Placement("llm", replica, 7)], None)
+        events = run.events()
+        first = asyncio.ensure_future(anext(events))
+        while replica.sink is None:
+            await asyncio.sleep(0)
+        sink = replica.sink
+
+        def put(i: int) -> None:
+            sink.put(("llm", pb.MemberUpdate(slot_id=7, status=RUNNING, token_ids=[i])))
+        put(0)
+        assert (await first).token_ids == [0]  # type: ignore[union-attr]
+        # an update taken as soon as it came: a delta of its own
+        nxt = asyncio.ensure_future(anext(events))
+        await asyncio.sleep(0)
+        put(1)
+        assert (await nxt).token_ids == [1]  # type: ignore[union-attr]
+        # an update that waited while the loop was busy: the run waits as long again and
+        # sends what came meanwhile with it
+        put(2)
+        time.sleep(4 * PACING_LAG_S)  # the loop is held: the update waits
+        nxt = asyncio.ensure_future(anext(events))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert not nxt.done()
+        put(3)
+        put(4)
+        assert (await nxt).token_ids == [2, 3, 4]  # type: ignore[union-attr]
 
     asyncio.run(scenario())
