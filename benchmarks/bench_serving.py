@@ -12,8 +12,10 @@ output tokens/s over theirs is printed. "load generator cores" is the CPU AIPerf
 took over their whole run (start-up included) in cores: on a machine with few cores the tool
 competes with the deployment for them, and the gateway / Generate ratio carries that as well
 as the gateway's own cost (which benchmarks/bench_gateway.py measures alone). "other load" is
-the share of the cores that processes outside this benchmark's tree took during the point: on
-a shared machine, a row with much of it says more about the neighbours than about the gateway.
+the share of the cores that processes outside this benchmark's tree took during the point (the
+larger of its two runs'): on a shared machine, a row with much of it says more about the
+neighbours than about the gateway, so each run first waits (up to --quiet-wait-s) for a second
+in which that share was at most --quiet.
 
 The tokenizer AIPerf synthesizes prompts with is the served model's own, written as a local
 Hugging Face hub entry (serving_tokenizer.py): nothing is downloaded (HF_HUB_OFFLINE=1).
@@ -148,7 +150,12 @@ def run_tool(args: argparse.Namespace, url: str, model: str, tokenizer: str, hub
     """One AIPerf profile of `point`; its JSON summary."""
     num_requests = (args.requests or max(32, 4 * point.concurrency) if point.concurrency
                     else max(16, round(point.rate * args.rate_duration_s)))
-    load = (["--concurrency", str(point.concurrency)] if point.concurrency
+    # A plain concurrency run polls for a free slot without sleeping (a core's worth of CPU,
+    # taken from the deployment's); a rate cap far above the reachable one makes it sleep
+    # between tries instead.
+    load = (["--concurrency", str(point.concurrency), "--request-rate",
+             f"{args.concurrency_rate_cap:g}", "--arrival-pattern", "constant"]
+            if point.concurrency
             else ["--request-rate", f"{point.rate:g}", "--arrival-pattern", "poisson"])
     cmd = [args.tool_python, "-m", "aiperf", "profile", "--model", model,
            "--tokenizer", tokenizer, "--url", url, "--endpoint-type", args.endpoint,
@@ -296,6 +303,16 @@ class OtherLoad:
         t1, busy1, ours1 = time.perf_counter(), _busy_s(), _ours_s()
         return max(0.0, (busy1 - busy0) - (ours1 - ours0)) / ((t1 - t0) * (os.cpu_count() or 1))
 
+    def wait_quiet(self, limit: float, timeout_s: float) -> None:
+        """Returns after a second in which other processes took at most `limit` of the
+        cores, or after `timeout_s` (the point then runs as loaded as the machine is)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.start()
+            time.sleep(1.0)
+            if self.share() <= limit:
+                return
+
 
 # ---- the sweep -----------------------------------------------------------------------------
 
@@ -310,10 +327,12 @@ def sweep(args: argparse.Namespace, url: str, orchestrator: str | None, work: Pa
     rows = []
     for i, point in enumerate(points):
         out = work / f"point{i}"
+        other.wait_quiet(args.quiet, args.quiet_wait_s)
         other.start()
         row = row_of(run_tool(args, url, model, tokenizer, hub, point, out))
         row["other_load"] = other.share()
         if point.concurrency and orchestrator:
+            other.wait_quiet(args.quiet, args.quiet_wait_s)
             other.start()
             row["generate_tokens_per_s"] = asyncio.run(generate_tokens_per_s(
                 orchestrator, sent_requests(out, args.osl), point.concurrency,
@@ -374,10 +393,17 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--osl", type=int, default=32, help="output tokens per request")
     ap.add_argument("--slo-ttft-ms", type=float, default=500.0)
     ap.add_argument("--slo-itl-ms", type=float, default=50.0)
+    ap.add_argument("--concurrency-rate-cap", type=float, default=500.0,
+                    help="a concurrency point's request rate cap (req/s), far above the "
+                         "reachable rate: the tool then waits for a free slot asleep")
     ap.add_argument("--seed", type=int, default=1, help="the tool's prompts")
     ap.add_argument("--tool-workers", type=int, default=2,
                     help="the tool's request-sending worker processes")
     ap.add_argument("--point-timeout-s", type=float, default=600.0)
+    ap.add_argument("--quiet", type=float, default=0.15,
+                    help="each run waits for a second in which other processes took at most "
+                         "this share of the cores ...")
+    ap.add_argument("--quiet-wait-s", type=float, default=60.0, help="... for this long at most")
     ap.add_argument("--keep", default=None, help="keep the tool's artifacts in this directory")
     return ap.parse_args()
 
