@@ -12,9 +12,10 @@ For each batch size B, B requests of --tokens tokens each (ignore_eos) run toget
 The stage runs as its own process (`llm-runner serve`) for the three served paths. Reported
 per path: ms per generated token per request (the median over requests of (last delta - first
 delta) / tokens after the first, as a caller sees its stream), its ratio to the in-process step,
-output tokens/s, deltas/s (messages a caller receives: a caller that lags gets several tokens in
-one), and each server process's CPU time per 1,000 deltas (user + system from /proc, workers
-included), which says where the time goes whatever else the machine runs.
+output tokens/s and deltas/s at that pace (B requests each at it; deltas are the messages a
+caller receives: a relay or caller that lags gives several tokens in one), and each server
+process's CPU time per 1,000 deltas (user + system from /proc, workers included, over the
+whole run), which says where the time goes whatever else the machine runs.
 
 Usage: python benchmarks/bench_relay.py [--batches 1,8,32,64,128,256] [--step-ms 2]
        [--tokens 128] [--workers 1,2] [--paths step,orchestrator,gateway] [--clients 2]
@@ -195,10 +196,12 @@ def served_row(path: str, target: str, batch: int, args: argparse.Namespace,
         tokens = deltas
     else:
         reqs = asyncio.run(clients(path, target, args.tokens, batch, args.clients))
-        wall = max(r[1] for r in reqs) - min(r[0] for r in reqs)
         tokens = sum(r[2] for r in reqs)
         deltas = sum(r[3] for r in reqs)
         ms = 1000 * statistics.median(r[4] for r in reqs)
+        # steady state: every request's median pace (its admission and first token, which
+        # the pace leaves out, are no part of the relay's rate)
+        wall = tokens / (batch * 1000 / ms)
     cpu = {name: cpu_s(pid) - before[name] for name, pid in pids.items()}
     return {"tokens_per_s": tokens / wall, "deltas_per_s": deltas / wall, "ms": ms,
             "cpu_ms_per_1k_deltas": {k: 1e6 * v / deltas for k, v in cpu.items()}}
