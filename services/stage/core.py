@@ -154,22 +154,17 @@ class StageCore:
             self.loop.wake()
 
     def close_cohort(self, cohort: Cohort, is_broken: bool) -> None:
-        """The stream ended. After a clean end its members await Finish as usual; after a
-        break (disconnect, deadline, error) nobody will call Finish, so members still running
-        are cancelled and freed when their run ends, and ended ones are freed now."""
+        """The stream ended. Members whose run ended (ENDED) await Finish however it ended:
+        a client may break its stream once it has read every end and still call Finish. After
+        a break (disconnect, deadline, error) members still running are cancelled and freed
+        when their run ends (ORPHANED); an ended member nobody finishes is the slot TTL's."""
         if not cohort.is_closed:
             cohort.is_closed = True
             self.loop.cohorts.discard(cohort)
         if is_broken:
             for slot in list(cohort.joined.values()):
-                if self.slots.get(slot.slot_id) is not slot:
-                    continue
-                if (slot.state in (SlotState.RUNNING, SlotState.ENDED)
-                        and self.slots.move(slot, Move.ORPHAN) is None):
-                    self._forget(slot)
-                    log.info("slot %d (request %s) freed after its Step stream broke",
-                             slot.slot_id, slot.request.request_id)
-                if slot.state is SlotState.ORPHANED:
+                if self.slots.get(slot.slot_id) is slot and slot.state is SlotState.RUNNING:
+                    self.slots.move(slot, Move.ORPHAN)
                     self.stepper.cancel(slot.runtime_id)
         self.loop.wake()
 

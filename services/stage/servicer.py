@@ -67,8 +67,8 @@ class StageServicerBase(stage_pb2_grpc.StageServicer):
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
-            # A client that cancels may end the reads as a half-close would, and the
-            # members may all have ended by then: the events it never read make it broken.
+            # A client that cancels may end the reads as a half-close would: its stream is
+            # broken all the same, so members still running are cancelled (ended ones stay).
             self.core.close_cohort(cohort, is_broken=not is_complete or context.cancelled())
 
     async def _read_controls(self, request_iterator: AsyncIterator[pb.StepRequest],

@@ -6,8 +6,10 @@ frees slots. The C++ talker mirrors it in clients/cpp/talker/slot_machine.{h,cc}
 
 A run can end before Finish: a cancel while ADMITTED or PREPARED (ADMITTED_ENDED,
 PREPARED_ENDED), or a member's generation ending while RUNNING (ENDED). A RUNNING member whose
-Step stream broke is ORPHANED: nobody will call Finish, so its end frees it. The contract
-shows four states (`SlotState.wire`); the sub-states only change which calls are legal.
+Step stream broke is ORPHANED: nobody will call Finish, so its end frees it. An ENDED member
+waits for Finish whatever becomes of its stream (the client read its end and may break the
+stream before it finishes); the slot TTL frees it when nobody comes. The contract shows four
+states (`SlotState.wire`); the sub-states only change which calls are legal.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ TRANSITIONS: dict[Move, dict[SlotState, SlotState | None]] = {
                   _S.ADMITTED_ENDED: _S.FINISHED, _S.PREPARED_ENDED: _S.FINISHED,
                   _S.ENDED: _S.FINISHED, _S.RUNNING: _S.FINISHING,
                   _S.ORPHANED: _S.FINISHING},
-    Move.ORPHAN: {_S.RUNNING: _S.ORPHANED, _S.ENDED: FREED},
+    Move.ORPHAN: {_S.RUNNING: _S.ORPHANED},
     Move.RESET: {_S.ADMITTED: FREED, _S.PREPARED: FREED, _S.ADMITTED_ENDED: FREED,
                  _S.PREPARED_ENDED: FREED, _S.FINISHED: FREED},
     Move.EXPIRE: {s: FREED for s in SlotState

@@ -1,4 +1,5 @@
-"""Cancel lands within one step; a broken Step stream frees every slot it held."""
+"""Cancel lands within one step; a broken Step stream frees the slots of its members still
+running, and members that had ended wait for Finish (the slot TTL frees them otherwise)."""
 
 from __future__ import annotations
 
@@ -154,3 +155,43 @@ def test_window_beyond_the_limit_fails_the_stream(server: StageServer) -> None:
     assert str(limit) in err.value.details()
     assert server.wait_idle()["slots"] == 0  # the broken stream freed its member
 
+
+
+def test_finish_answers_every_member_of_a_stream_broken_after_their_ends(
+        server: StageServer) -> None:
+    # A client that read every member's end and then broke out of its Step stream still
+    # finishes them: the break must not race their Finish.
+    idle = server.wait_idle()
+    for i in range(200):
+        sids = [7000 + 3 * i + k for k in range(3)]
+        for k, sid in enumerate(sids):
+            server.admit_prepare(sid, text="Once upon a time", max_tokens=2 + k,
+                                 ignore_eos=True)
+        stream = server.step(sids, credits=16)
+        got = stream.collect(set(sids))
+        stream.cancel()
+        for k, sid in enumerate(sids):
+            fin = server.stub.Finish(pb.FinishRequest(slot_id=sid))
+            assert fin.finish_reason == pb.FINISH_REASON_MAX_LENGTH, (i, sid)
+            assert list(fin.output_token_ids) == got[sid]["tokens"] and \
+                len(got[sid]["tokens"]) == 2 + k, (i, sid)
+            assert server.stub.Reset(pb.ResetRequest(slot_id=sid)).existed
+    stats = server.wait_idle()
+    assert stats["slots"] == 0 and stats["cohorts"] == 0
+    assert stats["kv_pages_free"] == idle["kv_pages_total"]
+
+
+def test_ended_members_of_a_broken_stream_nobody_finishes_expire() -> None:
+    with StageServer(slot_ttl_s=0.5) as srv:
+        sids = [1, 2, 3]
+        for sid in sids:
+            srv.admit_prepare(sid, text="Once upon a time", max_tokens=3, ignore_eos=True)
+        stream = srv.step(sids, credits=16)
+        stream.collect(set(sids))
+        stream.cancel()
+        stats = srv.wait_idle(30.0)
+        assert stats["slots"] == 0 and stats["cohorts"] == 0
+        assert stats["kv_pages_free"] == stats["kv_pages_total"]
+        with pytest.raises(grpc.RpcError) as err:
+            srv.stub.Finish(pb.FinishRequest(slot_id=1))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND

@@ -88,6 +88,18 @@ def test_an_orphan_is_freed_by_its_end_unless_finish_claimed_it() -> None:
     assert m.move(b, Move.RUN_END) is S.FINISHED and m.get(2) is b
 
 
+def test_an_ended_member_is_not_orphaned_and_waits_for_finish() -> None:
+    m = SlotMachine()
+    slot = Slot(4, request=None)
+    m.admit(slot)
+    for move in (Move.PREPARE, Move.JOIN, Move.RUN_END):
+        m.move(slot, move)
+    assert slot.state is S.ENDED and not m.can_move(slot, Move.ORPHAN)
+    with pytest.raises(IllegalTransition):
+        m.move(slot, Move.ORPHAN)
+    assert m.move(slot, Move.FINISH) is S.FINISHED and m.get(4) is slot
+
+
 def test_illegal_calls_name_the_contract_state_and_change_nothing() -> None:
     m = SlotMachine()
     slot = Slot(3, request=None)

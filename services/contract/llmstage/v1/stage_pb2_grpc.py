@@ -128,7 +128,8 @@ class StageServicer:
         members has none, so a slow reader slows the loop instead of growing memory. The stream stays
         open while the client keeps its side open; once the client half-closes, it ends after the
         last member ends. If the stream breaks (disconnect, deadline), every member still running is
-        finished as cancelled and its slot is freed.
+        finished as cancelled and its slot is freed; a member that had ended waits for Finish as
+        after a clean end, so a client may break the stream once it has read every end.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
