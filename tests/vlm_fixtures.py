@@ -11,9 +11,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 IMAGE_TOKEN = "<image>"
 IMAGE_TOKEN_ID = 2  # specials: <s> 0, </s> 1, <image> 2, <fake_token_around_image> 3,

@@ -15,18 +15,20 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
-import transformers
-from google.protobuf.json_format import MessageToDict
-from helpers import TEST_ENGINE
-from PIL import Image
-from stage_harness import StageServer, make_request
-from vlm_fixtures import IMAGE_TOKEN_ID, build_idefics3, build_llava
 
-from llm_runner_svc.models import load_model
-from llm_runner_svc.stage import MediaItem, StageConfig, StageRequest
-from llm_runner_svc.stage.visual_pruning import PruningConfig
-from services.contract.llmstage.v1 import stage_pb2 as pb
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from google.protobuf.json_format import MessageToDict  # noqa: E402
+from helpers import TEST_ENGINE  # noqa: E402
+from PIL import Image  # noqa: E402
+from stage_harness import StageServer, make_request  # noqa: E402
+from vlm_fixtures import IMAGE_TOKEN_ID, build_idefics3, build_llava  # noqa: E402
+
+from llm_runner_svc.models import load_model  # noqa: E402
+from llm_runner_svc.stage import MediaItem, StageConfig, StageRequest  # noqa: E402
+from llm_runner_svc.stage.visual_pruning import PruningConfig  # noqa: E402
+from services.contract.llmstage.v1 import stage_pb2 as pb  # noqa: E402
 
 TOKENS = 8
 

@@ -14,15 +14,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
-import transformers
-from deployment import Deployment
-from http_gateway import LONG, GatewayProc, llm_stage_generate, request
-from llm_stage_client import Client, StageClientError
-from PIL import Image
-from vlm_fixtures import IMAGE_TOKEN_ID, build_llava
 
-from llm_runner_svc.models import load_model
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from deployment import Deployment  # noqa: E402
+from http_gateway import LONG, GatewayProc, llm_stage_generate, request  # noqa: E402
+from llm_stage_client import Client, StageClientError  # noqa: E402
+from PIL import Image  # noqa: E402
+from vlm_fixtures import IMAGE_TOKEN_ID, build_llava  # noqa: E402
+
+from llm_runner_svc.models import load_model  # noqa: E402
 
 TOKENS = 6
 QUESTION = "What is in the picture?"

@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 MODEL_VOCAB = 320
@@ -83,6 +81,7 @@ def write_tokenizer(path: Path, arch: str, vocab_size: int = TOKENIZER_VOCAB,
 def _randomize(model: Any, seed: int) -> None:
     """transformers initialises norms to 1 and biases to 0; make them random so a loader or
     engine that drops them cannot pass."""
+    torch = pytest.importorskip("torch")
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -94,7 +93,10 @@ def _randomize(model: Any, seed: int) -> None:
 
 def build_hf_model(arch: str, path: Path, seed: int = 0, dtype: Any = None,
                    save_kwargs: dict[str, Any] | None = None, **overrides: Any) -> Any:
-    """Save a random `arch` model (plus tokenizer) to `path`; return the float32 torch model."""
+    """Save a random `arch` model (plus tokenizer) to `path`; return the float32 torch model.
+    Skips the calling test where torch or transformers is not installed."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
     classes = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),

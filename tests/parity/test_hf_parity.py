@@ -8,14 +8,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
-from llm_runner_svc.engines.base import DecodeRow, EnginePlan, SampleSpec
-from llm_runner_svc.engines.numpy_engine import NumpyEngine
-from llm_runner_svc.errors import ModelFormatError, NotFound, Unimplemented
-from llm_runner_svc.models import load_model
-from llm_runner_svc.models.hf import HfTokenizer
-from llm_runner_svc.models.spec import RopeStyle
+torch = pytest.importorskip("torch")
+
+from llm_runner_svc.engines.base import DecodeRow, EnginePlan, SampleSpec  # noqa: E402
+from llm_runner_svc.engines.numpy_engine import NumpyEngine  # noqa: E402
+from llm_runner_svc.errors import ModelFormatError, NotFound, Unimplemented  # noqa: E402
+from llm_runner_svc.models import load_model  # noqa: E402
+from llm_runner_svc.models.hf import HfTokenizer  # noqa: E402
+from llm_runner_svc.models.spec import RopeStyle  # noqa: E402
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 

@@ -22,16 +22,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
-import transformers
-from parity.conftest import build_hf_model
 
-from llm_runner_svc.engines import create_engine
-from llm_runner_svc.engines.base import EnginePlan
-from llm_runner_svc.engines.batch import Batch, Row
-from llm_runner_svc.models import Model, load_model
-from llm_runner_svc.models.lora import MODULES, LoraAdapter, load_adapter, merge_adapter
-from llm_runner_svc.models.spec import ModelWeights
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from parity.conftest import build_hf_model  # noqa: E402
+
+from llm_runner_svc.engines import create_engine  # noqa: E402
+from llm_runner_svc.engines.base import EnginePlan  # noqa: E402
+from llm_runner_svc.engines.batch import Batch, Row  # noqa: E402
+from llm_runner_svc.models import Model, load_model  # noqa: E402
+from llm_runner_svc.models.lora import MODULES, LoraAdapter, load_adapter, merge_adapter  # noqa: E402
+from llm_runner_svc.models.spec import ModelWeights  # noqa: E402
 
 peft = pytest.importorskip("peft")
 

@@ -10,16 +10,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
-from vlm_fixtures import IMAGE_SIZE, IMAGE_TOKEN_ID, build_idefics3, build_llava
 
-from llm_runner_svc.engines.base import EnginePlan
-from llm_runner_svc.engines.batch import Batch, EmbedSpan, Row
-from llm_runner_svc.engines.numpy_engine import NumpyEngine
-from llm_runner_svc.engines.numpy_vision import NumpyVision
-from llm_runner_svc.models import load_model
-from llm_runner_svc.models.vision import image_starts
-from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
+torch = pytest.importorskip("torch")
+
+from vlm_fixtures import IMAGE_SIZE, IMAGE_TOKEN_ID, build_idefics3, build_llava  # noqa: E402
+
+from llm_runner_svc.engines.base import EnginePlan  # noqa: E402
+from llm_runner_svc.engines.batch import Batch, EmbedSpan, Row  # noqa: E402
+from llm_runner_svc.engines.numpy_engine import NumpyEngine  # noqa: E402
+from llm_runner_svc.engines.numpy_vision import NumpyVision  # noqa: E402
+from llm_runner_svc.models import load_model  # noqa: E402
+from llm_runner_svc.models.vision import image_starts  # noqa: E402
+from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve  # noqa: E402
 
 CASES = [("clip", "llama"), ("siglip", "qwen2"), ("idefics3", "llama")]
 TOL = 1e-4

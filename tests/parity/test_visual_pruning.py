@@ -10,20 +10,22 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
-from vlm_fixtures import IMAGE_SIZE, IMAGE_TOKEN_ID, build_llava
 
-from llm_runner_svc.engines.base import EnginePlan
-from llm_runner_svc.engines.batch import Batch, Row
-from llm_runner_svc.engines.numpy_engine import NumpyEngine
-from llm_runner_svc.engines.numpy_vision import NumpyVision
-from llm_runner_svc.models import load_model
-from llm_runner_svc.models.image_processing import MIME_FORMATS
-from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
-from llm_runner_svc.stage import MediaItem, StageRequest
-from llm_runner_svc.stage.images import ImageEncoder
-from llm_runner_svc.stage.limits import RequestLimits
-from llm_runner_svc.stage.visual_pruning import PruningConfig, prune
+torch = pytest.importorskip("torch")
+
+from vlm_fixtures import IMAGE_SIZE, IMAGE_TOKEN_ID, build_llava  # noqa: E402
+
+from llm_runner_svc.engines.base import EnginePlan  # noqa: E402
+from llm_runner_svc.engines.batch import Batch, Row  # noqa: E402
+from llm_runner_svc.engines.numpy_engine import NumpyEngine  # noqa: E402
+from llm_runner_svc.engines.numpy_vision import NumpyVision  # noqa: E402
+from llm_runner_svc.models import load_model  # noqa: E402
+from llm_runner_svc.models.image_processing import MIME_FORMATS  # noqa: E402
+from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve  # noqa: E402
+from llm_runner_svc.stage import MediaItem, StageRequest  # noqa: E402
+from llm_runner_svc.stage.images import ImageEncoder  # noqa: E402
+from llm_runner_svc.stage.limits import RequestLimits  # noqa: E402
+from llm_runner_svc.stage.visual_pruning import PruningConfig, prune  # noqa: E402
 
 CFG = PruningConfig(reduction_ratio=0.5, min_visual_tokens=2, pivot_image_tokens=2,
                     pivot_text_tokens=3)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-from llm_runner_svc.engines import create_engine
-from llm_runner_svc.engines.base import DecodeRow, EnginePlan
-from llm_runner_svc.engines.numpy_kernels import round_to_bf16
-from llm_runner_svc.errors import InvalidArgument
+torch = pytest.importorskip("torch")
+
+from llm_runner_svc.engines import create_engine  # noqa: E402
+from llm_runner_svc.engines.base import DecodeRow, EnginePlan  # noqa: E402
+from llm_runner_svc.engines.numpy_kernels import round_to_bf16  # noqa: E402
+from llm_runner_svc.errors import InvalidArgument  # noqa: E402
 
 
 def test_round_to_bf16_is_a_bf16_store_and_load():

@@ -16,18 +16,20 @@ The same paths in bf16 on a GPU: tests/unit/test_lora_gpu.py.
 from __future__ import annotations
 
 import pytest
-import torch
-from lora_fixtures import write_adapter
-from triton_interpreter import rerun_interpreted
 
-from llm_runner_svc.engines.base import EnginePlan
-from llm_runner_svc.engines.torch_forward import Forward
-from llm_runner_svc.engines.torch_lora import TorchLora
-from llm_runner_svc.engines.torch_ops import TorchOps
-from llm_runner_svc.engines.torch_state import allocate_state
-from llm_runner_svc.engines.torch_triton_modes import SILU_GATE
-from llm_runner_svc.engines.torch_weights import load_weights
-from llm_runner_svc.models.lora import load_adapter
+torch = pytest.importorskip("torch")
+
+from lora_fixtures import write_adapter  # noqa: E402
+from triton_interpreter import rerun_interpreted  # noqa: E402
+
+from llm_runner_svc.engines.base import EnginePlan  # noqa: E402
+from llm_runner_svc.engines.torch_forward import Forward  # noqa: E402
+from llm_runner_svc.engines.torch_lora import TorchLora  # noqa: E402
+from llm_runner_svc.engines.torch_ops import TorchOps  # noqa: E402
+from llm_runner_svc.engines.torch_state import allocate_state  # noqa: E402
+from llm_runner_svc.engines.torch_triton_modes import SILU_GATE  # noqa: E402
+from llm_runner_svc.engines.torch_weights import load_weights  # noqa: E402
+from llm_runner_svc.models.lora import load_adapter  # noqa: E402
 
 CPU = torch.device("cpu")
 ROWS = {1: [2], 3: [1, 0, 3], 4: [0, 3, 1, 2]}  # adapter slot per row (0: the base model)

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from lora_fixtures import write_adapter
 
-from llm_runner_svc.engines import create_engine
-from llm_runner_svc.engines.base import EnginePlan
-from llm_runner_svc.engines.batch import Batch, Row
-from llm_runner_svc.models.lora import load_adapter, merge_adapter
-from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
+torch = pytest.importorskip("torch")
+
+from lora_fixtures import write_adapter  # noqa: E402
+
+from llm_runner_svc.engines import create_engine  # noqa: E402
+from llm_runner_svc.engines.base import EnginePlan  # noqa: E402
+from llm_runner_svc.engines.batch import Batch, Row  # noqa: E402
+from llm_runner_svc.models.lora import load_adapter, merge_adapter  # noqa: E402
+from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

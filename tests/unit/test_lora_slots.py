@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from lora_fixtures import write_adapter
-from triton_interpreter import rerun_interpreted
 
-from llm_runner_svc.engines import create_engine
-from llm_runner_svc.engines.torch_lora import TorchLora
-from llm_runner_svc.errors import InvalidArgument
-from llm_runner_svc.models.lora import load_adapter, merge_adapter
-from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
+torch = pytest.importorskip("torch")
+
+from lora_fixtures import write_adapter  # noqa: E402
+from triton_interpreter import rerun_interpreted  # noqa: E402
+
+from llm_runner_svc.engines import create_engine  # noqa: E402
+from llm_runner_svc.engines.torch_lora import TorchLora  # noqa: E402
+from llm_runner_svc.errors import InvalidArgument  # noqa: E402
+from llm_runner_svc.models.lora import load_adapter, merge_adapter  # noqa: E402
+from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-onnx = pytest.importorskip("onnx", reason="the onnx extra is installed by .ci/run")
+onnx = pytest.importorskip("onnx", reason="the onnx extra")
 
 from llm_runner_svc.errors import InvalidArgument  # noqa: E402
 from llm_runner_svc.export import signature as sig  # noqa: E402

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("onnxruntime", reason="the onnx extra is installed by .ci/run")
+pytest.importorskip("onnxruntime", reason="the onnx extra")
 
 from parity.conftest import build_hf_model  # noqa: E402
 

@@ -13,12 +13,14 @@ benchmarks/gpu_spec.sh runs them on one.
 from __future__ import annotations
 
 import pytest
-import torch
-from helpers import drain_with_metrics
 
-from llm_runner_svc.engines import create_engine
-from llm_runner_svc.engines.drafts import create_draft_engine
-from llm_runner_svc.runtime import (
+torch = pytest.importorskip("torch")
+
+from helpers import drain_with_metrics  # noqa: E402
+
+from llm_runner_svc.engines import create_engine  # noqa: E402
+from llm_runner_svc.engines.drafts import create_draft_engine  # noqa: E402
+from llm_runner_svc.runtime import (  # noqa: E402
     GenerationRequest,
     InferenceRuntime,
     RuntimeConfig,

@@ -9,10 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import onnx
 import pytest
 
-pytest.importorskip("tensorrt_rtx", reason="the tensorrt extra is installed by .ci/run")
+onnx = pytest.importorskip("onnx", reason="the onnx extra")
+pytest.importorskip("tensorrt_rtx", reason="the tensorrt extra")
 
 from parity.conftest import build_hf_model  # noqa: E402
 

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-pytest.importorskip("tensorrt_rtx", reason="the tensorrt extra is installed by .ci/run")
+pytest.importorskip("tensorrt_rtx", reason="the tensorrt extra")
 
 from llm_runner_svc.engines import create_engine  # noqa: E402
 from llm_runner_svc.engines.base import DecodeRow, EnginePlan  # noqa: E402

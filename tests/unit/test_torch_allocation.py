@@ -4,11 +4,14 @@ every step, so 200 steps hold exactly what 10 did)."""
 
 from __future__ import annotations
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+import pytest
 
-from llm_runner_svc.engines import create_engine
-from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
+torch = pytest.importorskip("torch")
+
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from llm_runner_svc.engines import create_engine  # noqa: E402
+from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve  # noqa: E402
 
 
 def _buffers(engine) -> dict[str, tuple[int, int]]:

@@ -33,15 +33,17 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
-from helpers import drain
-from parity.conftest import build_hf_model
-from test_torch_engine import prefill_batch_against_solo
 
-from llm_runner_svc.engines import create_engine
-from llm_runner_svc.engines.base import DecodeRow, EnginePlan
-from llm_runner_svc.models import load_model
-from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
+torch = pytest.importorskip("torch")
+
+from helpers import drain  # noqa: E402
+from parity.conftest import build_hf_model  # noqa: E402
+from test_torch_engine import prefill_batch_against_solo  # noqa: E402
+
+from llm_runner_svc.engines import create_engine  # noqa: E402
+from llm_runner_svc.engines.base import DecodeRow, EnginePlan  # noqa: E402
+from llm_runner_svc.models import load_model  # noqa: E402
+from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -11,7 +11,6 @@ import sys
 import pytest
 from stage_harness import StageServer
 
-from llm_runner_svc.engines.torch_engine import TorchEngine
 from llm_runner_svc.stage import StageConfig, load_stage_config
 from llm_runner_svc.stage.config import ConfigError
 from services.contract.llmstage.v1 import stage_pb2 as pb
@@ -41,6 +40,9 @@ def test_bad_device_settings_fail_at_load(tmp_path, stage, message):
 
 
 def test_stage_serves_the_goldens_on_the_torch_engine(goldens):
+    pytest.importorskip("torch")
+    from llm_runner_svc.engines.torch_engine import TorchEngine
+
     case = next(c for c in goldens["cases"] if c["name"] == "greedy_from_bos")
     with StageServer(StageConfig(engine="torch", device="cpu", max_seq=512)) as srv:
         assert isinstance(srv.stage.runtime.engine, TorchEngine)
@@ -68,6 +70,7 @@ def test_numpy_engine_never_imports_torch():
 
 
 def test_cli_runs_the_torch_engine_on_the_cpu():
+    pytest.importorskip("torch")
     args = ("generate", "--max-tokens", "12", "--temperature", "0", "Once upon a time")
     numpy_run = _run_cli(*args, "--engine", "numpy")
     torch_run = _run_cli(*args, "--engine", "torch", "--device", "cpu")

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from triton_interpreter import rerun_interpreted
 
-from llm_runner_svc.engines import create_engine
-from llm_runner_svc.engines.base import EnginePlan
-from llm_runner_svc.engines.batch import Batch, Row, SampleSpec
-from llm_runner_svc.engines.torch_graphs import verify_buckets
-from llm_runner_svc.engines.torch_ops import Rope, TorchOps, pool_slots
+torch = pytest.importorskip("torch")
+
+from triton_interpreter import rerun_interpreted  # noqa: E402
+
+from llm_runner_svc.engines import create_engine  # noqa: E402
+from llm_runner_svc.engines.base import EnginePlan  # noqa: E402
+from llm_runner_svc.engines.batch import Batch, Row, SampleSpec  # noqa: E402
+from llm_runner_svc.engines.torch_graphs import verify_buckets  # noqa: E402
+from llm_runner_svc.engines.torch_ops import Rope, TorchOps, pool_slots  # noqa: E402
 
 GREEDY = SampleSpec(0.0, 0, 1.0)
 PAGES = ([0, 1], [2], [3, 4])  # each sequence's pages (page size 8)

@@ -12,19 +12,21 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
-from test_torch_gpu import BF16_CUBLAS_REL, BF16_MARGIN, _clear_leads_agree, _rel, bf16_weights
-from vlm_fixtures import IMAGE_SIZE, IMAGE_TOKEN_ID, build_llava
 
-from llm_runner_svc.engines.base import EnginePlan
-from llm_runner_svc.engines.batch import Batch, EmbedSpan, Row
-from llm_runner_svc.engines.numpy_engine import NumpyEngine
-from llm_runner_svc.engines.numpy_vision import NumpyVision
-from llm_runner_svc.engines.torch_engine import TorchEngine
-from llm_runner_svc.engines.torch_vision import TorchVision
-from llm_runner_svc.models import load_model
-from llm_runner_svc.models.vision import image_starts
-from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
+torch = pytest.importorskip("torch")
+
+from test_torch_gpu import BF16_CUBLAS_REL, BF16_MARGIN, _clear_leads_agree, _rel, bf16_weights  # noqa: E402
+from vlm_fixtures import IMAGE_SIZE, IMAGE_TOKEN_ID, build_llava  # noqa: E402
+
+from llm_runner_svc.engines.base import EnginePlan  # noqa: E402
+from llm_runner_svc.engines.batch import Batch, EmbedSpan, Row  # noqa: E402
+from llm_runner_svc.engines.numpy_engine import NumpyEngine  # noqa: E402
+from llm_runner_svc.engines.numpy_vision import NumpyVision  # noqa: E402
+from llm_runner_svc.engines.torch_engine import TorchEngine  # noqa: E402
+from llm_runner_svc.engines.torch_vision import TorchVision  # noqa: E402
+from llm_runner_svc.models import load_model  # noqa: E402
+from llm_runner_svc.models.vision import image_starts  # noqa: E402
+from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
