@@ -43,7 +43,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                                    "final report (JSON) go to stderr. Sampling values left out "
                                    "take the deployment's defaults.")
     # Every option's help states its default: this parser takes no default-adding formatter.
-    p.add_argument("prompt", help="prompt text")
+    p.add_argument("prompt", help="prompt text (the user's message with --chat)")
     p.add_argument("--target", default=None,
                    help=f"orchestrator host:port (default: ${TARGET_ENV} or {DEFAULT_TARGET})")
     p.add_argument("--sinks", default="",
@@ -67,6 +67,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=None,
                    help="deadline of the whole request, seconds (default: none)")
     p.add_argument("--request-id", default="", help="request id (default: the orchestrator's)")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as one user message of a conversation, which the "
+                        "stage renders with its model's chat template (for chat models such "
+                        "as SmolLM2-Instruct; default: the prompt as raw text)")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="a system message before the user's (implies --chat; default: none)")
     p.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="a PNG or JPEG image for a vision-language runner (repeatable); the "
                         "prompt then goes as one chat message: the images, then the text")
@@ -85,10 +91,10 @@ def _generate(args: argparse.Namespace) -> int:
                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
                 request_id=args.request_id, sinks=sinks, adapter=args.adapter)
-            if args.image:  # one chat turn: the images, then the text
-                parts: list[str | int] = [*range(len(args.image)), args.prompt]
-                options["messages"] = [("user", parts)]
-                options["images"] = args.image
+            if args.chat or args.system is not None or args.image:
+                options["messages"] = chat_messages(args.prompt, args.system, len(args.image))
+                if args.image:
+                    options["images"] = args.image
                 items = client.generate(**options)
             else:
                 items = client.generate(args.prompt, **options)
@@ -106,6 +112,15 @@ def _generate(args: argparse.Namespace) -> int:
         raise StageClientError("UNKNOWN", "the Generate stream ended without a final report")
     print(report_json(report), file=sys.stderr)
     return 1 if report.finish_reason in _FAILED else 0
+
+
+def chat_messages(prompt: str, system: str | None, num_images: int
+                  ) -> list[tuple[str, str | Sequence[str | int]]]:
+    """One user turn (its images first, then the text), after the system message if any."""
+    user: str | list[str | int] = [*range(num_images), prompt] if num_images else prompt
+    system_turn: list[tuple[str, str | Sequence[str | int]]] = \
+        [("system", system)] if system is not None else []
+    return [*system_turn, ("user", user)]
 
 
 def with_hint(exc: StageClientError, target: str) -> StageClientError:
