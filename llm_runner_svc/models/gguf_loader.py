@@ -101,6 +101,11 @@ class GgufBpeTokenizer(Tokenizer):
         self.vocab_size = len(tokens)
         self.bos_id = bos_id
         self.eos_ids = tuple(dict.fromkeys(eos_ids))
+        self._control_ids = frozenset(i for i, t in enumerate(types) if t == TOKEN_CONTROL)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return self._control_ids | super().special_ids
 
     def default_add_bos(self) -> bool:
         return self._add_bos

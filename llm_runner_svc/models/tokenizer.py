@@ -25,9 +25,18 @@ class Tokenizer(ABC):
         """Whether a plain prompt gets a BOS (format-specific)."""
         return self.bos_id is not None
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids that are markers, not text: generated ones add nothing to the output text (a
+        request with ignore_eos generates past its EOS). BOS and EOS unless a format knows
+        more (a GGUF's control tokens)."""
+        bos = () if self.bos_id is None else (self.bos_id,)
+        return frozenset((*bos, *self.eos_ids))
+
 
 class StreamDecoder:
-    """Turns a growing list of ids into text deltas without splitting UTF-8 characters.
+    """Turns a growing list of generated ids into text deltas without splitting UTF-8
+    characters; the tokenizer's special ids (EOS, chat markers) give no text.
 
     Keeps a small window: the text of ids[prefix:read] was already emitted; each push decodes
     ids[prefix:] and emits what is new, holding back while the tail is an incomplete character.
@@ -39,11 +48,13 @@ class StreamDecoder:
         self._prefix = 0
         self._read = 0
         self._after_bos = after_bos
+        self._special = tokenizer.special_ids
         self.text = ""
 
     def push(self, new_ids: Sequence[int]) -> str:
         """Append ids; return the text they complete (may be empty)."""
-        self._ids.extend(new_ids)
+        special = self._special
+        self._ids.extend(i for i in new_ids if i not in special)
         after_bos = self._after_bos and self._prefix == 0
         old = self._tok.decode(self._ids[self._prefix:self._read], after_bos)
         new = self._tok.decode(self._ids[self._prefix:], after_bos)

