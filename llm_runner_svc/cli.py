@@ -90,7 +90,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--proposal-tokens", type=int, default=4,
                    help="tokens proposed per target step with --spec (default 4)")
     p.add_argument("--quiet", action="store_true",
-                   help="no load progress bar and no metrics line")
+                   help="no model-load progress (bar or line) and no metrics line")
 
 
 def parse_spec(value: str, proposal_tokens: int) -> SpecConfig:
@@ -208,7 +208,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="drop slots nobody touched for this long")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0 = any free; default off)")
-    p.add_argument("--quiet", action="store_true", help="no model-load progress bar")
+    p.add_argument("--quiet", action="store_true",
+                   help="no model-load progress (a bar on a terminal, else a line)")
 
 
 def _serve(args: argparse.Namespace) -> int:

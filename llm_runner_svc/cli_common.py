@@ -152,16 +152,43 @@ class _TqdmWatcher:
             self._bar = None
 
 
+def format_bytes(num_bytes: int) -> str:
+    """`num_bytes` in binary units, as a person reads them: 512 B, 1.5 KiB, 270.6 MiB."""
+    if num_bytes < 1024:
+        return f"{num_bytes} B"
+    size = num_bytes / 1024
+    for unit in ("KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+class _LineWatcher:
+    """Where no bar can be drawn (stderr a log file or pipe, or no tqdm): one line per loader
+    as it starts, so a load of several seconds is not a silent wait."""
+
+    def start(self, total_bytes: int, what: str) -> None:
+        print(f"loading {what} ({format_bytes(total_bytes)}) ...", file=sys.stderr, flush=True)
+
+    def advance(self, num_bytes: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 @contextmanager
 def load_progress(is_quiet: bool) -> Iterator[None]:
-    """A progress bar for the model loads inside the block: only when stderr is a terminal,
-    not `is_quiet`, and tqdm is installed (it is optional)."""
-    if is_quiet or not sys.stderr.isatty() or importlib.util.find_spec("tqdm") is None:
+    """Shows the model loads inside the block unless `is_quiet`: a bar where stderr is a
+    terminal and tqdm is installed (it is optional), else a line per load as it starts."""
+    if is_quiet:
         yield
         return
     from llm_runner_svc.models.progress import watching
 
-    watcher = _TqdmWatcher()
+    can_draw = sys.stderr.isatty() and importlib.util.find_spec("tqdm") is not None
+    watcher: _TqdmWatcher | _LineWatcher = _TqdmWatcher() if can_draw else _LineWatcher()
     try:
         with watching(watcher):
             yield
