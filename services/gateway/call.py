@@ -1,13 +1,15 @@
 """An OpenAI request body -> a `Call`: what one generation asks of the orchestrator.
 
 `parse_chat` and `parse_completion` take the decoded JSON body and raise `InvalidArgument`
-(HTTP 400) naming the field (`param`) for anything malformed or not supported; they do not
-check value ranges the stages own (temperature, top_p, top_k, the prompt's length), which the
-stage refuses at Admit and which reach the caller as 400 too. Keys OpenAI defines that change
-nothing here (`store`, `metadata`, `parallel_tool_calls`, ...) are ignored; features this
-service cannot honour (tools, log probabilities, penalties, several choices) are refused rather
-than silently ignored. Extensions beyond OpenAI are top-level keys (what the `openai` client's
-`extra_body` sends): `top_k`, `ignore_eos`, `lora`, `disable_spec_decode`.
+(HTTP 400) naming the field (`param`) for anything malformed or not supported; they check
+temperature against OpenAI's [0, 2] but leave the ranges the stages own (top_p, top_k, the
+prompt's length) to the stage, which refuses them at Admit, and those reach the caller as 400
+too. Keys that change nothing here (`store`, `metadata`, `service_tier`, `priority`, ...) are
+ignored; every field OpenAI or vLLM defines that would change the output and that this service
+cannot honour (tools, log probabilities, penalties, min_p, guided decoding, beam search, several
+choices, ...) is refused rather than silently ignored, unless its value asks for nothing
+(repetition_penalty 1, min_p 0, ...). Extensions beyond OpenAI are top-level keys (what the
+`openai` client's `extra_body` sends): `top_k`, `ignore_eos`, `lora`, `disable_spec_decode`.
 """
 
 from __future__ import annotations
@@ -25,13 +27,36 @@ MAX_SEED = (1 << 64) - 1
 MAX_TOKEN_ID = (1 << 31) - 1
 # OpenAI's roles; "developer" is its newer name for "system".
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-# Features refused unless their value is one that asks for nothing (None, False, 0, 1, ...).
+# Fields that change the output, refused unless their value asks for nothing (None, False, 0,
+# 1, ...): OpenAI's, then vLLM's sampling and structured-output extensions. Nothing that would
+# change what a request generates is ignored.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "best_of": (None, 1),
     "echo": (None, False), "suffix": (None, ""), "audio": (None,), "prediction": (None,),
+    "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
+    "modalities": (None, ["text"]),
+    "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0),
+    "length_penalty": (None, 1), "use_beam_search": (None, False),
+    "early_stopping": (None, False), "stop_token_ids": (None, []),
+    "bad_words": (None, []), "allowed_token_ids": (None,), "logits_processors": (None, []),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,),
+    "prompt_logprobs": (None,), "typical_p": (None, 1), "top_a": (None, 0),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "guided_whitespace_pattern": (None,),
+    "structural_tag": (None,), "structured_outputs": (None,),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}),
+    "documents": (None, []), "mm_processor_kwargs": (None, {}),
 }
+# Special tokens the prompt's tokenization adds: the stage adds the model's BOS to a text prompt
+# (vLLM's completions default) and none to a rendered conversation (its chat default).
+_ADD_SPECIAL_TOKENS = {"chat": (None, False), "completion": (None, True)}
+# Tool calls are refused (tools above): parallel_tool_calls, true or false, asks nothing.
+_BOOLEANS = ("parallel_tool_calls",)
+MAX_TEMPERATURE = 2.0  # OpenAI's limit
 _RESPONSE_FORMATS = (None, {"type": "text"})
 
 
@@ -80,9 +105,7 @@ class Call:
 def parse_chat(body: Any) -> Call:
     """A `/v1/chat/completions` body."""
     body = _object(body)
-    _refuse_unsupported(body, _UNSUPPORTED)
-    if body.get("response_format") not in _RESPONSE_FORMATS:
-        raise BadField("response_format", "response_format other than text is not supported")
+    _refuse_unsupported(body, "chat")
     max_tokens = _opt_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", 1)
@@ -92,22 +115,41 @@ def parse_chat(body: Any) -> Call:
 
 
 def parse_completion(body: Any) -> Call:
-    """A `/v1/completions` body: one prompt, as text or token ids."""
+    """A `/v1/completions` body of one prompt, as text or token ids."""
+    calls = parse_completions(body)
+    if len(calls) > 1:
+        raise BadField("prompt", "one prompt expected here, got a list of several")
+    return calls[0]
+
+
+def parse_completions(body: Any) -> tuple[Call, ...]:
+    """A `/v1/completions` body: one Call per prompt. `prompt` is a string, a list of token
+    ids, or a list of several of either (a batch: choice i answers prompt i). A batch does not
+    stream (refused naming `stream`)."""
     body = _object(body)
-    _refuse_unsupported(body, _UNSUPPORTED)
+    _refuse_unsupported(body, "completion")
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
     common = _common(body, _opt_int(body, "max_tokens", 1))
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                   and all(_is_int(t) for t in prompt)):
+        return (_completion(prompt, "prompt", common),)
+    if not (isinstance(prompt, list) and prompt):
+        raise BadField("prompt", "prompt must be a string, a list of token ids, or a "
+                       "non-empty list of either")
+    if len(prompt) > 1 and common["is_stream"]:
+        raise BadField("stream", "a list of several prompts is answered whole: stream must "
+                       "be false (or send one request per prompt)")
+    return tuple(_completion(p, f"prompt[{i}]", common) for i, p in enumerate(prompt))
+
+
+def _completion(prompt: Any, where: str, common: dict[str, Any]) -> Call:
     if isinstance(prompt, str):
         return Call(kind="completion", text=prompt, **common)
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         if not all(0 <= t <= MAX_TOKEN_ID for t in prompt):
-            raise BadField("prompt", "prompt token ids must be in [0, 2^31)")
+            raise BadField("prompt", f"{where}: token ids must be in [0, 2^31)")
         return Call(kind="completion", token_ids=tuple(prompt), **common)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise BadField("prompt", "one prompt per request (send several requests)")
-    raise BadField("prompt", "prompt must be a string or a list of token ids")
+    raise BadField("prompt", f"{where} must be a string or a non-empty list of token ids")
 
 
 def _common(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
@@ -121,6 +163,13 @@ def _common(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
     if options is not None and not (is_stream and isinstance(options, dict)):
         raise BadField("stream_options", "stream_options is an object, only with stream: true")
     include_usage = bool(_opt_bool(options or {}, "include_usage"))
+    if _opt_bool(options or {}, "continuous_usage_stats"):
+        raise BadField("stream_options", "stream_options.continuous_usage_stats is not "
+                       "supported: the usage comes in the last chunk (include_usage)")
+    temperature = _opt_float(body, "temperature")
+    if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
+        raise BadField("temperature", f"temperature must be in [0, {MAX_TEMPERATURE:g}], "
+                       f"got {temperature:g}")
     seed = _opt_int(body, "seed", 0)
     if seed is not None and seed > MAX_SEED:
         raise BadField("seed", "seed must be in [0, 2^64)")
@@ -130,7 +179,7 @@ def _common(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
     lora = body.get("lora")
     if lora is not None and not isinstance(lora, str):
         raise BadField("lora", "lora must be a string (an adapter name)")
-    sampling = Sampling(temperature=_opt_float(body, "temperature"),
+    sampling = Sampling(temperature=temperature,
                         top_p=_opt_float(body, "top_p"), top_k=_opt_int(body, "top_k", 0),
                         max_tokens=max_tokens, seed=seed)
     return {"model": model, "is_stream": bool(is_stream), "include_usage": include_usage,
@@ -146,10 +195,21 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _refuse_unsupported(body: dict[str, Any], table: dict[str, tuple[Any, ...]]) -> None:
-    for key, neutral in table.items():
-        if key in body and body[key] not in neutral:
-            raise BadField(key, f"{key} is not supported by this server")
+def _refuse_unsupported(body: dict[str, Any], kind: str) -> None:
+    for key, neutral in (*_UNSUPPORTED.items(), ("add_special_tokens", _ADD_SPECIAL_TOKENS[kind])):
+        if key in body and not _asks_nothing(body[key], neutral):
+            raise BadField(key, f"{key} is not supported by this server (it would change the "
+                           "output)")
+    if not _asks_nothing(body.get("response_format"), _RESPONSE_FORMATS):
+        raise BadField("response_format", "response_format other than text is not supported")
+    for key in _BOOLEANS:
+        _opt_bool(body, key)
+
+
+def _asks_nothing(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """Whether `value` is one of `neutral`, a boolean never standing for a number (True == 1
+    in Python) nor a number for a boolean."""
+    return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
 
 
 def _messages(value: Any, images: list[tuple[str, bytes]]
@@ -165,7 +225,13 @@ def _messages(value: Any, images: list[tuple[str, bytes]]
         if role is None:
             raise BadField(f"{where}.role", f"{where}.role must be one of "
                            f"{', '.join(sorted(_ROLES))}, got {msg.get('role')!r}")
-        out.append((role, _content(msg.get("content"), f"{where}.content", images)))
+        if msg.get("tool_calls") not in (None, []):
+            raise BadField(f"{where}.tool_calls", f"{where}.tool_calls: tool calls are not "
+                           "supported by this server")
+        content = msg.get("content")
+        if content is None and role == "assistant":
+            content = ""  # OpenAI's shape of an assistant turn that only called tools
+        out.append((role, _content(content, f"{where}.content", images)))
     return tuple(out)
 
 

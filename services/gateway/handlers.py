@@ -11,6 +11,7 @@ which closes the Generate call and so cancels the request on every stage.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -18,9 +19,10 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 from opentelemetry import trace
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.errors import Internal, InvalidArgument, ServiceError
-from services.gateway.call import Call, parse_chat, parse_completion
+from services.gateway.call import Call, parse_chat, parse_completions
 from services.gateway.config import GatewayConfig
 from services.gateway.middleware import METRICS, json_error, route_of
 from services.gateway.shapes import (
@@ -45,7 +47,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_completion(await _body(request)), "cmpl-")
+    calls = parse_completions(await _body(request))
+    if len(calls) == 1:
+        return await _generate(request, calls[0], "cmpl-")
+    return await _batch(request, calls, "cmpl-")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """The gateway's Prometheus metrics on its own port (as --metrics-port serves them)."""
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -100,6 +111,15 @@ async def _generate(request: web.Request, call: Call, prefix: str) -> web.Stream
 
 
 async def _whole(events: AsyncIterator[Piece | Outcome], shaper: Shaper) -> web.Response:
+    text, outcome = await _read(events)
+    if outcome.finish_reason == "error":
+        return json_error(GENERATION_FAILED, failed_generation(outcome))
+    return web.json_response(shaper.whole(text, outcome),
+                             headers={"X-Request-Id": shaper.request_id})
+
+
+async def _read(events: AsyncIterator[Piece | Outcome]) -> tuple[str, Outcome]:
+    """A whole Generate stream: its text and its outcome."""
     parts: list[str] = []
     outcome = None
     async for ev in events:
@@ -109,10 +129,39 @@ async def _whole(events: AsyncIterator[Piece | Outcome], shaper: Shaper) -> web.
             outcome = ev
     if outcome is None:
         raise Internal("the Generate stream ended without a final report")
-    if outcome.finish_reason == "error":
-        return json_error(GENERATION_FAILED, failed_generation(outcome))
-    return web.json_response(shaper.whole("".join(parts), outcome),
-                             headers={"X-Request-Id": shaper.request_id})
+    return "".join(parts), outcome
+
+
+async def _batch(request: web.Request, calls: tuple[Call, ...], prefix: str) -> web.Response:
+    """Several prompts of one request: each its own Generate call, all running at once;
+    choice i answers prompt i, the usage is their sum. The first to fail fails the request and
+    cancels the others."""
+    upstream = request.app[UPSTREAM]
+    await upstream.check_model(calls[0].model)
+    request_id = prefix + uuid.uuid4().hex
+    trace.get_current_span().set_attributes({
+        "llmstage.request_id": request_id, "gen_ai.request.model": calls[0].model,
+        "llmstage.num_prompts": len(calls)})
+    timeout_s = request.app[CONFIG].request_timeout_s
+
+    async def one(i: int, call: Call) -> tuple[str, Outcome]:
+        events = upstream.generate(call, f"{request_id}-{i}", timeout_s)
+        try:
+            return await _read(events)
+        finally:
+            await events.aclose()
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(i, call)) for i, call in enumerate(calls)]
+    except ExceptionGroup as failures:  # the first prompt's error answers (its HTTP status)
+        raise failures.exceptions[0] from None
+    answers = [task.result() for task in tasks]
+    failed = next((outcome for _, outcome in answers if outcome.finish_reason == "error"), None)
+    if failed is not None:
+        return json_error(GENERATION_FAILED, failed_generation(failed))
+    shaper = Shaper.create(calls[0].kind, request_id, calls[0].model)
+    return web.json_response(shaper.batch(answers), headers={"X-Request-Id": request_id})
 
 
 async def _stream(request: web.Request, events: AsyncIterator[Piece | Outcome], shaper: Shaper,

@@ -39,6 +39,7 @@ def create_app(config: GatewayConfig, upstream: Upstream, metrics: GatewayMetric
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/v1/models/{model}", handlers.get_model)
     app.router.add_get("/health", handlers.health)
+    app.router.add_get("/metrics", handlers.metrics)
     return app
 
 

@@ -68,10 +68,15 @@ def failed_generation(outcome: Outcome) -> dict[str, Any]:
                       "generation_failed")
 
 
-def usage(outcome: Outcome) -> dict[str, int]:
-    return {"prompt_tokens": outcome.prompt_tokens,
-            "completion_tokens": outcome.completion_tokens,
-            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
+def usage(*outcomes: Outcome) -> dict[str, int]:
+    """The usage of one or several generations. A generation that ended on its end-of-sequence
+    token generated that token too: it counts among the completion tokens, as vLLM and OpenAI
+    count it (the stage reports the tokens it delivered, which leave it out)."""
+    prompt = sum(o.prompt_tokens for o in outcomes)
+    completion = sum(o.completion_tokens + (o.finish_reason == "end_of_sequence")
+                     for o in outcomes)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
 @dataclass(frozen=True)
@@ -94,14 +99,22 @@ class Shaper:
 
     def whole(self, text: str, outcome: Outcome) -> dict[str, Any]:
         """The non-streaming answer."""
-        choice: dict[str, Any] = {"index": 0}
-        if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice.update(logprobs=None, finish_reason=_FINISH[outcome.finish_reason],
-                      stop_reason=outcome.finish_reason)
-        return {**self._head(), "choices": [choice], "usage": usage(outcome)}
+        return self.batch([(text, outcome)])
+
+    def batch(self, answers: list[tuple[str, Outcome]]) -> dict[str, Any]:
+        """The non-streaming answer of one or several generations: choice i is answers[i]."""
+        choices = []
+        for i, (text, outcome) in enumerate(answers):
+            choice: dict[str, Any] = {"index": i}
+            if self.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice.update(logprobs=None, finish_reason=_FINISH[outcome.finish_reason],
+                          stop_reason=outcome.finish_reason)
+            choices.append(choice)
+        return {**self._head(), "choices": choices,
+                "usage": usage(*(outcome for _, outcome in answers))}
 
     def chunk(self, text: str, *, is_first: bool = False) -> bytes:
         """One server-sent event with new text (the first chat chunk names the role)."""

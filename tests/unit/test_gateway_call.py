@@ -102,3 +102,63 @@ def test_bad_completion_prompts(prompt: Any) -> None:
 def test_a_body_that_is_not_an_object() -> None:
     with pytest.raises(InvalidArgument):
         parse_chat(["not", "an", "object"])
+
+
+@pytest.mark.parametrize("key, value", [
+    ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_grammar", "root ::= x"),
+    ("guided_choice", ["a", "b"]), ("repetition_penalty", 1.2), ("min_p", 0.1),
+    ("reasoning_effort", "low"), ("min_tokens", 3), ("length_penalty", 0.5),
+    ("use_beam_search", True), ("stop_token_ids", [2]), ("skip_special_tokens", False),
+    ("structured_outputs", {"regex": "a"}), ("add_generation_prompt", False),
+    ("add_special_tokens", True), ("repetition_penalty", True), ("parallel_tool_calls", "no"),
+])
+def test_fields_that_change_the_output_are_refused_by_name(key: str, value: Any) -> None:
+    for parse, body in ((parse_chat, CHAT), (parse_completion, {"model": "m", "prompt": "x"})):
+        if (key, parse) == ("add_special_tokens", parse_completion):
+            value = False  # a text prompt gets its BOS: only false would change it
+        with pytest.raises(BadField) as info:
+            parse({**body, key: value})
+        assert info.value.param == key
+
+
+def test_values_that_ask_for_nothing_are_accepted() -> None:
+    neutral = {"repetition_penalty": 1.0, "min_p": 0, "min_tokens": 0, "length_penalty": 1,
+               "use_beam_search": False, "parallel_tool_calls": True, "stop_token_ids": [],
+               "skip_special_tokens": True, "response_format": {"type": "text"},
+               "tools": [], "add_generation_prompt": True, "guided_json": None}
+    assert parse_chat({**CHAT, **neutral}).sampling == Sampling()
+    assert parse_chat({**CHAT, "parallel_tool_calls": False}).model == "m"
+    assert parse_completion({"model": "m", "prompt": "x", "add_special_tokens": True,
+                             **neutral}).text == "x"
+
+
+def test_temperature_above_openais_limit_is_refused() -> None:
+    assert parse_chat({**CHAT, "temperature": 2}).sampling.temperature == 2.0
+    for value in (2.5, -0.1):
+        with pytest.raises(BadField) as info:
+            parse_completion({"model": "m", "prompt": "x", "temperature": value})
+        assert info.value.param == "temperature"
+
+
+def test_assistant_turns_without_content() -> None:
+    call = parse_chat({**CHAT, "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+        {"role": "user", "content": "Again"}]})
+    assert call.messages == (("user", "Hi"), ("assistant", ""), ("user", "Again"))
+    with pytest.raises(BadField) as info:
+        parse_chat({**CHAT, "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "f", "arguments": "{}"}}]}]})
+    assert info.value.param == "messages[1].tool_calls"
+    with pytest.raises(BadField) as info:
+        parse_chat({**CHAT, "messages": [{"role": "user", "content": None}]})
+    assert info.value.param == "messages[0].content"
+
+
+def test_continuous_usage_stats_is_refused() -> None:
+    with pytest.raises(BadField) as info:
+        parse_completion({"model": "m", "prompt": "x", "stream": True, "stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}})
+    assert info.value.param == "stream_options"

@@ -1,0 +1,113 @@
+"""What clients other than the `openai` package send the gateway (lm-eval, vLLM's extensions):
+fields that would change the output are refused by name unless they ask for nothing; a list
+of prompts is a batch; the gateway's port serves its metrics; the usage counts the
+end-of-sequence token, as vLLM's does."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from deployment import Deployment
+from http_gateway import GatewayProc, request, sse
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
+    dep = Deployment(tmp_path_factory.mktemp("clients"), {"backbone": {"maxSeq": 512}})
+    gw = GatewayProc(dep.target)
+    yield gw
+    gw.stop()
+    dep.close()
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"model": "backbone", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, **fields}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("guided_json", {"type": "object"}), ("guided_regex", "[a-z]+"),
+    ("guided_grammar", "root ::= \"a\""), ("guided_choice", ["yes", "no"]),
+    ("repetition_penalty", 1.3), ("min_p", 0.2), ("reasoning_effort", "high"),
+    ("parallel_tool_calls", "sometimes"), ("min_tokens", 4), ("length_penalty", 0.7),
+    ("use_beam_search", True), ("stop_token_ids", [13]), ("temperature", 2.5),
+])
+def test_a_field_that_would_change_the_output_is_400_naming_it(gateway, field, value) -> None:
+    for route, body in (("completions", completion()), ("chat/completions", {
+            "model": "backbone", "messages": [{"role": "user", "content": "Hi"}]})):
+        status, _, answer = request(f"{gateway.url}/v1/{route}", {**body, field: value})
+        assert status == 400, answer
+        assert answer["error"]["param"] == field and field in answer["error"]["message"]
+
+
+def test_values_that_ask_for_nothing_give_the_plain_text(gateway) -> None:
+    status, _, plain = request(f"{gateway.url}/v1/completions", completion())
+    assert status == 200
+    status, _, same = request(f"{gateway.url}/v1/completions", completion(
+        repetition_penalty=1.0, min_p=0, min_tokens=0, parallel_tool_calls=True,
+        use_beam_search=False, length_penalty=1, guided_json=None))
+    assert status == 200 and same["choices"][0]["text"] == plain["choices"][0]["text"]
+    status, _, answer = request(f"{gateway.url}/v1/completions", completion(stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert status == 400 and answer["error"]["param"] == "stream_options"
+
+
+def test_tool_calls_in_a_conversation_are_400_naming_them(gateway) -> None:
+    status, _, answer = request(f"{gateway.url}/v1/chat/completions", {
+        "model": "backbone", "messages": [
+            {"role": "user", "content": "What is the weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "weather", "arguments": "{}"}}]},
+            {"role": "user", "content": "Well?"}]})
+    assert status == 400 and answer["error"]["param"] == "messages[1].tool_calls", answer
+
+
+def test_a_list_of_prompts_is_answered_as_a_batch(gateway) -> None:
+    prompts: list[Any] = [PROMPT, "The dog", [1, 403, 407], "Lily"]
+    singles = []
+    for prompt in prompts:
+        status, _, body = request(f"{gateway.url}/v1/completions", completion(prompt=prompt))
+        assert status == 200
+        singles.append(body)
+    status, headers, batch = request(f"{gateway.url}/v1/completions", completion(prompt=prompts))
+    assert status == 200, batch
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in batch["choices"]] == [s["choices"][0]["text"] for s in singles]
+    assert [c["finish_reason"] for c in batch["choices"]] == [
+        s["choices"][0]["finish_reason"] for s in singles]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert batch["usage"][key] == sum(s["usage"][key] for s in singles)
+    assert headers["X-Request-Id"] == batch["id"] and batch["object"] == "text_completion"
+    status, events = sse(f"{gateway.url}/v1/completions", completion(prompt=prompts))
+    assert status == 400 and events[0]["error"]["param"] == "stream"
+
+
+def test_the_gateway_port_serves_its_metrics(gateway) -> None:
+    request(f"{gateway.url}/v1/models")
+    for url in (f"{gateway.url}/metrics", gateway.metrics_url):
+        status, headers, text = _get_text(url)
+        assert status == 200 and headers["Content-Type"].startswith("text/plain")
+        assert ('llmstage_gateway_http_requests_total{code="200",method="GET",'
+                'route="/v1/models"}') in text
+
+
+def test_an_answer_that_ends_at_once_counts_its_end_of_sequence_token(gateway) -> None:
+    # stories260K's EOS is id 2; the bias makes it the first pick
+    status, _, body = request(f"{gateway.url}/v1/completions", completion(
+        logit_bias={"2": 100}))
+    assert status == 200 and body["choices"][0]["text"] == ""
+    assert body["choices"][0]["stop_reason"] == "end_of_sequence"
+    assert body["usage"]["completion_tokens"] == 1
+    status, _, body = request(f"{gateway.url}/v1/completions", completion(max_tokens=5))
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 5  # no EOS generated: the tokens delivered
+
+
+def _get_text(url: str) -> tuple[int, dict[str, str], str]:
+    with urllib.request.urlopen(url, timeout=60) as resp:
+        return resp.status, dict(resp.headers), resp.read().decode()
