@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection_pb2 as reflection_pb
 
 from services.errors import Unavailable
 from services.interceptor import ErrorInterceptor
@@ -27,6 +28,9 @@ from services.interceptor import ErrorInterceptor
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+# grpcio-reflection ships v1alpha only; v1's messages are v1alpha's field for field (the same
+# bytes on the wire), so the one servicer answers both services.
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,19 @@ class ServerHandle:
 Registrar = Callable[[Any, grpc.aio.Server], None]
 
 
+def _add_reflection(names: tuple[str, ...], server: grpc.aio.Server) -> None:
+    """Server reflection as grpc.reflection.v1alpha and v1 (what newer clients ask first)."""
+    servicer = reflection.aio.ReflectionServicer((*names, reflection.SERVICE_NAME,
+                                                  REFLECTION_V1))
+    method = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers(tuple(
+        grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": method})
+        for name in (reflection.SERVICE_NAME, REFLECTION_V1)))
+
+
 async def create_server(options: ServerOptions,
                         services: Sequence[tuple[Registrar, Any, str]],
                         private_addresses: Sequence[str] = ()) -> ServerHandle:
@@ -80,9 +97,8 @@ async def create_server(options: ServerOptions,
         register(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+    _add_reflection((*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
+                    server)
     port = server.add_insecure_port(f"{options.host}:{options.port}")
     if port == 0:
         raise OSError(f"cannot listen on {options.host}:{options.port}")

@@ -8,6 +8,9 @@ import subprocess
 import sys
 import textwrap
 
+import grpc
+from google.protobuf import descriptor_pb2
+from grpc_reflection.v1alpha import reflection_pb2 as rpb
 from stage_harness import StageServer
 
 CLIENT = textwrap.dedent("""
@@ -53,3 +56,24 @@ def test_reflection_lists_services_and_calls_describe(server: StageServer) -> No
     assert d["maxSeq"] == 512 and [p["name"] for p in d["emits"]] == ["text", "tokens"]
     assert out["health"] == {"status": "SERVING"}
     assert out["admit"]["refusal"] == "REFUSAL_UNKNOWN_ADAPTER"  # enums by name, as grpcurl
+
+
+def test_reflection_v1_answers_as_v1alpha(server: StageServer) -> None:
+    # v1's messages are v1alpha's field for field: these bytes are what a v1 client sends
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        info = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=rpb.ServerReflectionRequest.SerializeToString,
+            response_deserializer=rpb.ServerReflectionResponse.FromString)
+        listed, found = info(iter([
+            rpb.ServerReflectionRequest(list_services=""),
+            rpb.ServerReflectionRequest(file_containing_symbol="llmstage.v1.Stage")]),
+            timeout=60)
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"llmstage.v1.Stage", "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection",
+            "grpc.reflection.v1.ServerReflection"} <= names
+    files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+             for raw in found.file_descriptor_response.file_descriptor_proto]
+    assert any(svc.name == "Stage" and {m.name for m in svc.method} >= {"Describe", "Admit"}
+               for f in files for svc in f.service)
