@@ -2,7 +2,7 @@
 each tree's in-process, Step-stream and orchestrator ms per step, every round in order, and each
 service column's ratio to the same run's in-process figure.
 
-Usage: python benchmarks/gpu_ab_table.py RUNS/NAME_ROUND.json ...
+Usage: python benchmarks/gpu_ab_table.py RUNS/NAME_ROUND_SHAPE.json ...
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ def main(paths: list[str]) -> None:
         defaultdict(lambda: defaultdict(list))
     by_workers: dict[tuple[str, int, str], list[str]] = defaultdict(list)
     gpu = ""
-    for path in sorted(paths, key=lambda p: (Path(p).stem.rsplit("_", 1)[1],
-                                             Path(p).stem)):
-        tree = Path(path).stem.rsplit("_", 1)[0]
+    # files NAME_ROUND_SHAPE.json: each cell lists its rounds in order
+    for path in sorted(paths, key=lambda p: (Path(p).stem.split("_")[1], Path(p).stem)):
+        tree = Path(path).stem.split("_")[0]
         run = json.loads(Path(path).read_text())
         gpu = run.get("gpu", gpu)
         for r in run["rows"]:
