@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import secrets
 import sys
 from collections.abc import Sequence
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
     from llm_runner_svc.runtime import SpecConfig
 
 PROG = "llm-runner"
+# A front end that runs these commands under its own name (the client's `llm-stage up`) puts
+# that name here; usage lines and messages then speak of it. Read once and removed, so the
+# processes this one starts (`up`'s stages) speak of themselves.
+PROG_ENV = "LLM_RUNNER_PROG"
 
 
 def model_help() -> str:
@@ -190,7 +195,11 @@ def _synthetic_options(args: argparse.Namespace) -> dict[str, float]:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the LlmRunner stage over gRPC",
-                       formatter_class=HelpFormatter)
+                       formatter_class=HelpFormatter,
+                       description="Serves one LlmRunner stage (the llmstage.v1.Stage contract, "
+                                   "health and reflection) until SIGTERM or Ctrl-C, then drains "
+                                   "for --grace-s. Prints one line on stdout once it listens; "
+                                   "without --config it serves the embedded stories260K model.")
     p.add_argument("--config", default=None,
                    help="stage deployment file (multistage_config.json style); default: the "
                         "embedded stories260K model")
@@ -235,12 +244,13 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     from llm_runner_svc.export.build_cli import add_build_engine
 
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=HelpFormatter)
-    add_version(parser, PROG)
+    parser.set_defaults(prog=prog)
+    add_version(parser, prog)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
@@ -258,8 +268,8 @@ def _run_build_engine(args: argparse.Namespace) -> int:
 _RUN = {"generate": _generate, "serve": _serve, "up": run_up, "build-engine": _run_build_engine}
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+def _main(argv: Sequence[str] | None, prog: str) -> int:
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return _RUN[args.command](args)
 
@@ -267,7 +277,8 @@ def _main(argv: Sequence[str] | None) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs `llm-runner`; the exit codes are cli_common's (0, 1, 2, 130, 141)."""
     quiet_grpc()
-    return run_command(PROG, lambda: _main(argv))
+    prog = os.environ.pop(PROG_ENV, "") or PROG
+    return run_command(prog, lambda: _main(argv, prog))
 
 
 if __name__ == "__main__":

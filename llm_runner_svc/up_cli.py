@@ -24,7 +24,13 @@ DEFAULT_HTTP_PORT = 8000
 
 def add_up(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start a local deployment: stage processes + orchestrator",
-                       formatter_class=HelpFormatter)
+                       formatter_class=HelpFormatter,
+                       description="Starts every stage of the topology that carries `launch` "
+                                   "as a stage process on a free port of --host, then the "
+                                   "orchestrator over them and the OpenAI-compatible HTTP "
+                                   "gateway in front; serves until SIGTERM or Ctrl-C, then "
+                                   "stops them all. Without --topology, one backbone stage "
+                                   "serves the embedded stories260K model.")
     p.add_argument("--topology", default=None,
                    help="topology file whose stages carry `launch` (default: one backbone stage "
                         "serving the embedded model)")
@@ -37,6 +43,9 @@ def add_up(sub: argparse._SubParsersAction) -> None:
                         "or any free port when --port is 0)")
     p.add_argument("--no-http", action="store_true",
                    help="start no HTTP gateway: the gRPC Orchestrator API only")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve the orchestrator's Prometheus metrics on this port (0 = any "
+                        "free; default off); with several workers, worker I on this port + I")
     p.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
                    help="worker processes of the orchestrator and of the gateway, each set "
                         "serving its port together: one Python process relays a few tens of "
@@ -58,12 +67,14 @@ def run_up(args: argparse.Namespace) -> int:
         raise InvalidArgument(str(exc)) from exc
     if args.workers < 1:
         raise InvalidArgument(f"--workers must be >= 1, got {args.workers}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise InvalidArgument(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
     http_port = None if args.no_http else http_port_of(args)
     _check_free(args.host, args.port)
     if http_port is not None:
         _check_free(args.host, http_port, "--http-port")
     try:
-        up(args.topology, options, http_port, args.workers)
+        up(args.topology, options, http_port, args.workers, args.metrics_port, args.prog)
     except (RuntimeError, OSError) as exc:
         if is_bind_failure(exc):
             raise bind_failure(args.host, args.port) from exc

@@ -24,7 +24,12 @@ def add_build_engine(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("build-engine", help="export the ONNX step graph and build a TensorRT "
                                             "plan with its engine.json sidecar",
-                       formatter_class=HelpFormatter)
+                       formatter_class=HelpFormatter,
+                       description="Exports the model's decoder step as ONNX and builds a "
+                                   "TensorRT-RTX plan for the given targets (a machine without "
+                                   "a GPU can build), writing model.onnx, model.plan and "
+                                   "engine.json to --out. The phases go to stderr, one line of "
+                                   "JSON describing the build to stdout.")
     p.add_argument("--model", default=None,
                    help=f"a built-in name ({EMBEDDED_NAME}, {SMOLLM2_NAME}), a llama2.c .bin, "
                         f".gguf file or Hugging Face directory (default: {EMBEDDED_NAME})")

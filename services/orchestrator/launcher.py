@@ -37,6 +37,7 @@ from services.server import ServerOptions
 log = logging.getLogger(__name__)
 
 _LISTENING = re.compile(r"listening on (?:http://)?[\w.\-]+:(\d+)")
+_LABEL = re.compile(r"^[\w.\-]+: ")  # a line's leading "llm-stage: "
 # A terminal's Ctrl-C reaches the children too; LAUNCHED_ENV tells a child to leave it to this
 # process (services/launched.py), which stops them and says "interrupted" once.
 CHILD_ENV = {"PYTHONUNBUFFERED": "1", LAUNCHED_ENV: "1"}
@@ -104,12 +105,14 @@ class GatewayProcess(ChildProcess):
 class OrchestratorProcess(ChildProcess):
     """`python -m services.orchestrator --workers N` over the topology file `topology`."""
 
-    def __init__(self, topology: Path, options: ServerOptions, workers: int) -> None:
+    def __init__(self, topology: Path, options: ServerOptions, workers: int,
+                 metrics_port: int | None = None) -> None:
+        metrics = [] if metrics_port is None else ["--metrics-port", str(metrics_port)]
         super().__init__([sys.executable, "-m", "services.orchestrator", "--topology",
                           str(topology), "--host", options.host, "--port", str(options.port),
                           "--grace-s", str(options.grace_s), "--max-message-mb",
                           str(options.max_message_bytes / (1 << 20)), "--workers",
-                          str(workers)], "orchestrator", options.host)
+                          str(workers), *metrics], "orchestrator", options.host)
 
 
 def _not_runnable(command: str, exc: OSError) -> str:
@@ -140,10 +143,12 @@ def launch_stages(topology: Topology, host: str) -> tuple[Topology, list[StagePr
 
 
 def up(topology_path: str | None, options: ServerOptions, http_port: int | None = None,
-       workers: int = 1) -> None:
+       workers: int = 1, metrics_port: int | None = None, prog: str = "llm-runner") -> None:
     """Serve the deployment until SIGTERM or SIGINT; `http_port` (0: any free) is the
     gateway's, None for no gateway; `workers`: the orchestrator's and the gateway's worker
-    processes (1: the orchestrator in this process)."""
+    processes (1: the orchestrator in this process); `metrics_port`: the orchestrator's
+    Prometheus port (0: any free; None: off). Every line it prints starts with `prog`, the
+    command the user ran."""
     procs: list[ChildProcess]
     if topology_path is None:
         procs = [StageProcess(None, None, options.host)]
@@ -152,10 +157,10 @@ def up(topology_path: str | None, options: ServerOptions, http_port: int | None 
         topology, stages = launch_stages(load_topology(Path(topology_path)), options.host)
         procs = list(stages)
     for p in procs:
-        print(f"llm-stage: stage process {p.proc.pid} on {p.endpoint}", flush=True)
+        print(f"{prog}: stage process {p.proc.pid} on {p.endpoint}", flush=True)
     if workers > 1:
         try:
-            _up_workers(topology, procs, options, http_port, workers)
+            _up_workers(topology, procs, options, http_port, workers, metrics_port, prog)
         finally:
             for p in reversed(procs):
                 p.stop()
@@ -168,29 +173,36 @@ def up(topology_path: str | None, options: ServerOptions, http_port: int | None 
         host = "127.0.0.1" if options.host in ("0.0.0.0", "::", "") else options.host
         procs.append(await asyncio.to_thread(GatewayProcess, f"{host}:{port}", options.host,
                                              http_port))
-        print(procs[-1].line, end="", flush=True)
+        print(relabel(procs[-1].line, prog), end="", flush=True)
 
     try:
-        asyncio.run(serve(topology, options, on_serving=start_gateway))
+        asyncio.run(serve(topology, options, metrics_port, on_serving=start_gateway, prog=prog))
     finally:
         for p in reversed(procs):
             p.stop()
 
 
+def relabel(line: str, prog: str) -> str:
+    """A child's "... listening on" line as `prog` shows it: its own leading "name: " label,
+    if any, replaced by `prog`'s."""
+    return f"{prog}: {_LABEL.sub('', line, count=1)}"
+
+
 def _up_workers(topology: Topology, procs: list[ChildProcess], options: ServerOptions,
-                http_port: int | None, workers: int) -> None:
+                http_port: int | None, workers: int, metrics_port: int | None,
+                prog: str) -> None:
     """The orchestrator and the gateway as child processes of `workers` workers each; returns
     on SIGTERM or SIGINT, raises Unavailable when a child exits with an error."""
     with tempfile.TemporaryDirectory(prefix="llmstage-up-") as tmp:
         path = Path(tmp) / "topology.json"
         path.write_text(json.dumps(topology_doc(topology)))
-        procs.append(OrchestratorProcess(path, options, workers))
-        print(procs[-1].line, end="", flush=True)
+        procs.append(OrchestratorProcess(path, options, workers, metrics_port))
+        print(relabel(procs[-1].line, prog), end="", flush=True)
         if http_port is not None:
             host = "127.0.0.1" if options.host in ("0.0.0.0", "::", "") else options.host
             port = procs[-1].endpoint.rsplit(":", 1)[1]
             procs.append(GatewayProcess(f"{host}:{port}", options.host, http_port, workers))
-            print(procs[-1].line, end="", flush=True)
+            print(relabel(procs[-1].line, prog), end="", flush=True)
         _wait_for_stop(procs)
 
 

@@ -91,15 +91,18 @@ async def create_orchestrator_server(topology: Topology, options: ServerOptions,
 
 async def serve(topology: Topology, options: ServerOptions, metrics_port: int | None = None,
                 on_serving: Callable[[int], Awaitable[None]] | None = None,
-                cluster: ClusterOptions = ClusterOptions()) -> None:
-    """Serve until SIGTERM or SIGINT; `on_serving(port)` runs once the API listens."""
+                cluster: ClusterOptions = ClusterOptions(), prog: str = "") -> None:
+    """Serve until SIGTERM or SIGINT; `on_serving(port)` runs once the API listens. The line
+    saying where it listens starts with `prog`, the command serving it (`llm-runner`, for
+    `up`), or with "orchestrator" alone when it is the command itself."""
     init_tracing("llmstage-orchestrator")
     handle, orchestrator = await create_orchestrator_server(topology, options, cluster=cluster)
     metrics_line = ""
     if metrics_port is not None:
         _, bound = serve_metrics(orchestrator.metrics.registry, options.host, metrics_port)
         metrics_line = f", metrics on {options.host}:{bound}"
-    print(f"llm-stage: orchestrator listening on {options.host}:{handle.port} "
+    label = f"{prog}: " if prog else ""
+    print(f"{label}orchestrator listening on {options.host}:{handle.port} "
           f"(stages: {', '.join(s.stage_id for s in topology.stages)}){metrics_line}",
           flush=True)
 

@@ -165,7 +165,9 @@ def _up(args: argparse.Namespace) -> int:
             f"`pip install {SERVER_DISTRIBUTION}`, then run `llm-runner up`")
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", SERVER_PACKAGE, "up", *args.forward])
+    # LLM_RUNNER_PROG: its usage and messages name this command, not `llm-runner`.
+    os.execve(sys.executable, [sys.executable, "-m", SERVER_PACKAGE, "up", *args.forward],
+              os.environ | {"LLM_RUNNER_PROG": "llm-stage"})
     return 0  # not reached: execv returns only by raising
 
 
