@@ -5,11 +5,14 @@ the contract says; SIGTERM exits 0."""
 
 from __future__ import annotations
 
+import re
 import signal
+import subprocess
 import time
 import zlib
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
@@ -18,7 +21,7 @@ import pytest
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stage_harness import StepStream
-from talker_reference import codec_frame, start_talker
+from talker_reference import codec_frame, start_talker, talker_binary
 
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.contract.llmstage.v1 import stage_pb2_grpc, tensor_pb2
@@ -262,3 +265,13 @@ def test_health_and_sigterm_exit_zero() -> None:
             assert ans.status == health_pb2.HealthCheckResponse.SERVING
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 0
+
+
+def test_version_prints_the_projects_version() -> None:
+    cmake = (Path(__file__).resolve().parents[2] / "clients/cpp/CMakeLists.txt").read_text()
+    version = re.search(r"project\(llmstage_cpp VERSION ([\d.]+)", cmake)
+    assert version
+    res = subprocess.run([str(talker_binary()), "--version"], capture_output=True, text=True,
+                         timeout=60)
+    assert (res.returncode, res.stderr) == (0, "")
+    assert res.stdout == f"talker_stage {version.group(1)} (contract llmstage.v1)\n"

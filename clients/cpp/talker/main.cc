@@ -1,6 +1,7 @@
 // talker_stage: the reference talker stage service (see README.md).
 //
 //   talker_stage [--host 127.0.0.1] [--port 0] [--stage-id talker]
+//   talker_stage --version
 //
 // Prints "talker: listening on HOST:PORT" (the real port) as its first stdout line, serves
 // llmstage.v1.Stage plus the gRPC health and reflection services, and exits 0 after a graceful
@@ -22,10 +23,16 @@
 
 #include "talker_service.h"
 
+// The project's version, from CMakeLists.txt's project().
+#ifndef LLMSTAGE_VERSION
+#error "LLMSTAGE_VERSION is defined by CMakeLists.txt"
+#endif
+
 namespace {
 
 constexpr char kUsage[] =
     "usage: talker_stage [--host 127.0.0.1] [--port 0] [--stage-id talker]\n"
+    "       talker_stage --version\n"
     "  A reference talker stage (llmstage.v1.Stage): for wiring and tests, not a speech model.\n"
     "  --port 0 picks a free port; the first stdout line says which.\n";
 
@@ -46,6 +53,10 @@ Options ParseArgs(int argc, char** argv) {
     std::string arg = argv[i];
     if (arg == "-h" || arg == "--help") {
       std::cout << kUsage;
+      std::exit(0);
+    }
+    if (arg == "--version") {
+      std::cout << "talker_stage " << LLMSTAGE_VERSION << " (contract llmstage.v1)\n";
       std::exit(0);
     }
     std::string value;
