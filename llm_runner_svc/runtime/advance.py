@@ -30,7 +30,7 @@ from llm_runner_svc.runtime.request import (
     StepEvent,
 )
 from llm_runner_svc.runtime.scheduler import Planned, Scheduler
-from llm_runner_svc.runtime.speculative import accept_greedy
+from llm_runner_svc.runtime.speculative import accept_greedy, losing_reason
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,25 @@ class SequenceAdvance:
                 seq.stash.append((tokens, hs, end))
             else:
                 self._deliver(seq, tokens, hs, end, events)
+            if row.verify and pick is not None:
+                seq.metrics.verify_steps += 1
+                self._stop_losing_speculation(seq)
+
+    def _stop_losing_speculation(self, seq: SequenceState) -> None:
+        """A request whose proposals stay below break-even (`losing_reason`) decodes plainly
+        from its next row on: its verify rows cost more than the tokens they add."""
+        if seq.proposer is None or seq.status is SeqStatus.FINISHED:
+            return
+        m = seq.metrics
+        reason = losing_reason(seq.proposer.config, m.verify_steps, m.accepted_tokens)
+        if not reason:
+            return
+        seq.proposer.release(seq)  # a draft's pages for it go back
+        seq.proposer = None
+        m.spec_disabled_reason = reason
+        m.spec_disabled_at_token = len(seq.output_ids) + sum(len(t) for t, _, _ in seq.stash)
+        log.info("request %s decodes plainly from token %d: %s", seq.req.request_id,
+                 m.spec_disabled_at_token, reason)
 
     def _verified(self, seq: SequenceState, row: Row, target: list[int]) -> tuple[list[int], int]:
         """The tokens a verify row yields and the position after the last of them; the

@@ -63,6 +63,10 @@ class RequestMetrics:
     accepted_tokens: int = 0  # speculative: proposed tokens the target agreed with
     target_steps: int = 0  # speculative: decode rows read (each a target forward)
     verified_tokens: int = 0  # speculative: tokens those rows yielded
+    verify_steps: int = 0  # speculative: verify rows read (decode rows that held proposals)
+    spec_disabled_at_token: int = -1  # speculative: the output index from which the request
+    # decoded plainly, its speculation below break-even (-1: it never stopped)
+    spec_disabled_reason: str = ""  # and why
 
     @property
     def acceptance_rate(self) -> float:

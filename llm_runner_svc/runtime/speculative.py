@@ -54,6 +54,15 @@ class SpecConfig:
     # accepted proposals still decodes 3.3x plain's tokens/s. Products of a few hundred
     # rows turn compute-bound (bf16 tensor-core rate over memory bandwidth is about 300
     # flops per byte there), so 256 keeps K = 4 up to 51 requests and cuts it past that
+    min_accepted_per_step: float = 0.25  # a request whose verify steps accept fewer
+    # proposed tokens than this on average, once it has run `acceptance_warmup_steps` of
+    # them, stops proposing and decodes plainly (0: never). A verify step yields 1 + a
+    # tokens (a accepted) where a decode step yields 1, and costs c decode steps: 1.06x to
+    # 1.27x at the 7B shape on an H100 (above), plus the draft's forwards with `self` or
+    # `draft`; so it pays while a > c - 1, and 0.25 is break-even for verify steps of up
+    # to 1.25x a decode step
+    acceptance_warmup_steps: int = 8  # verify steps a request runs before the rule applies:
+    # a prompt-lookup proposer often misses at first and matches once the text repeats
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -84,6 +93,13 @@ class SpecConfig:
         if self.max_verify_tokens < 0:
             raise InvalidArgument(f"spec_decode.max_verify_tokens must be 0 or more, got "
                                   f"{self.max_verify_tokens}")
+        if not 0.0 <= self.min_accepted_per_step <= self.proposal_tokens:
+            raise InvalidArgument(f"spec_decode.min_accepted_per_step must be in "
+                                  f"[0, {self.proposal_tokens}] (proposal_tokens), got "
+                                  f"{self.min_accepted_per_step}")
+        if self.acceptance_warmup_steps < 1:
+            raise InvalidArgument(f"spec_decode.acceptance_warmup_steps must be 1 or more, "
+                                  f"got {self.acceptance_warmup_steps}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InvalidArgument(f"spec_decode ngram sizes need 1 <= ngram_min <= ngram_max, "
                                   f"got {self.ngram_min}..{self.ngram_max}")
@@ -142,6 +158,18 @@ def verify_shares(ks: Sequence[int], min_proposal: int, max_tokens: int) -> list
         return [0] * len(ks)
     share, extra = divmod(max_tokens, num)
     return [min(k, share - (i >= extra)) if i < num else 0 for i, k in enumerate(ks)]
+
+
+def losing_reason(config: SpecConfig, verify_steps: int, accepted_tokens: int) -> str:
+    """Why a request that ran `verify_steps` verify steps accepting `accepted_tokens`
+    proposed tokens should stop speculating; "" while it should go on."""
+    if not config.min_accepted_per_step or verify_steps < config.acceptance_warmup_steps:
+        return ""
+    per_step = accepted_tokens / verify_steps
+    if per_step >= config.min_accepted_per_step:
+        return ""
+    return (f"{per_step:.3g} accepted tokens per verify step over {verify_steps} steps, below "
+            f"min_accepted_per_step {config.min_accepted_per_step:g}")
 
 
 def accept_greedy(proposal: Sequence[int], target: Sequence[int]) -> list[int]:

@@ -296,7 +296,9 @@ def _spec_config(raw: Mapping[str, Any] | None, draft: str) -> SpecConfig | None
     `draft_checkpoint` makes it draft. K is proposal_tokens (0: draft_step, else 4), capped
     by dspark_max_proposal_len (0 = no cap); verify_tokens, when given, is K + 1. Proposals
     shorter than dspark_min_proposal_len are not verified; max_verify_tokens (unset: the
-    default) bounds a step's verify tokens. dspark_scheduler "threshold"
+    default) bounds a step's verify tokens; min_accepted_per_step and
+    acceptance_warmup_steps (unset: the defaults) turn a losing request's speculation off.
+    dspark_scheduler "threshold"
     stops a draft's proposal where its top probability falls below
     dspark_confidence_threshold."""
     if raw is None:
@@ -325,7 +327,11 @@ def _spec_config(raw: Mapping[str, Any] | None, draft: str) -> SpecConfig | None
                           confidence_threshold=float(threshold or 0.0),
                           max_batch=raw.get("disable_by_batch_size", 0),
                           max_verify_tokens=raw.get("max_verify_tokens",
-                                                    SpecConfig.max_verify_tokens))
+                                                    SpecConfig.max_verify_tokens),
+                          min_accepted_per_step=float(raw.get(
+                              "min_accepted_per_step", SpecConfig.min_accepted_per_step)),
+                          acceptance_warmup_steps=raw.get(
+                              "acceptance_warmup_steps", SpecConfig.acceptance_warmup_steps))
     except RunnerError as exc:
         raise ConfigError(f"config.{exc.message}") from exc
 

@@ -51,6 +51,9 @@ def slot_diagnostics(slot: Slot, config: StageConfig) -> dict[str, Any]:
         out["timings"] = run.metrics.as_dict()
         if run.metrics.target_steps:  # a speculative request
             out.update({k: out["timings"][k] for k in SPEC_KEYS})
+        if run.metrics.spec_disabled_reason:  # ... that stopped speculating
+            out["spec_disabled_reason"] = run.metrics.spec_disabled_reason
+            out["spec_disabled_at_token"] = run.metrics.spec_disabled_at_token
     return out
 
 

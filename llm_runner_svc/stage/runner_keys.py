@@ -162,6 +162,8 @@ RUNNER_KEYS = Obj(noun="LlmRunner key", fields={
         "draft_layers": POSITIVE,  # ours: layers the `self` draft keeps
         "disable_by_batch_size": COUNT,  # ours: no proposals while more requests decode
         "max_verify_tokens": COUNT,  # ours: a step's verify rows' tokens, K cut to fit (0: any)
+        "min_accepted_per_step": Number(low=0),  # ours: below it a request stops proposing
+        "acceptance_warmup_steps": POSITIVE,  # ours: verify steps before that rule applies
         "draft_top_k": POSITIVE,
         "draft_step": POSITIVE,
         "proposal_tokens": COUNT,  # 0 = from the draft engine's config

@@ -58,7 +58,8 @@ def smollm2():
 
 @pytest.mark.parametrize(("engine", "spec"), [
     ("numpy", SpecConfig("ngram", 6)),
-    ("numpy", SpecConfig("self", 4, draft_layers=10)),
+    # a third of SmolLM2 as its draft stays below break-even: kept on, its output checked
+    ("numpy", SpecConfig("self", 4, draft_layers=10, min_accepted_per_step=0.0)),
     ("torch", SpecConfig("ngram", 4)),
 ], ids=["numpy-ngram", "numpy-self", "torch-ngram"])
 def test_smollm2_speculative_greedy_is_plain_greedy(smollm2, engine, spec):

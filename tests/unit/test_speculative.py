@@ -301,9 +301,11 @@ def _draft_runtime(stories, engine, spec, **cfg):
     return out
 
 
+# Layer-skip drafts of the embedded model stay below break-even: the rule that would turn
+# them off is off here, where what counts is what they propose and how it is verified.
 @pytest.mark.parametrize(("engine", "spec"), [
-    ("numpy", SpecConfig("self", 4, draft_layers=2)),
-    ("torch", SpecConfig("self", 3, draft_layers=3)),
+    ("numpy", SpecConfig("self", 4, draft_layers=2, min_accepted_per_step=0.0)),
+    ("torch", SpecConfig("self", 3, draft_layers=3, min_accepted_per_step=0.0)),
     ("numpy", SpecConfig("draft", 4, draft_checkpoint="stories260K")),
     ("torch", SpecConfig("draft", 5, draft_checkpoint="stories260K")),
 ])

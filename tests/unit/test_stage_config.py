@@ -249,7 +249,7 @@ def test_unknown_sub_keys_are_refused_by_name(tmp_path, cfg, path):
     ("lora_adapters", [], "an object {name: path}"),
     ("lora_adapters", "a.safetensors", "an object {name: path}"),
     ("context_cache", True, "an object with keys from ['enable_reuse', "),
-    ("spec_decode", [], "an object with keys from ['disable_by_batch_size', "),
+    ("spec_decode", [], "an object with keys from ['acceptance_warmup_steps', "),
     ("visual_pruning", 0.5, "an object with keys from ['algorithm', "),
     ("ple", "ple.bin", "an object with keys from ['cache_slots', 'file', 'residency']"),
 ])
