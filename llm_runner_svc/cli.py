@@ -176,7 +176,7 @@ def _generate(args: argparse.Namespace) -> int:
                 if not args.quiet:
                     print(f"[{ev.finish_reason.value}] seed={seed} {stats}", file=sys.stderr)
                 if ev.error:
-                    print(f"{PROG}: error: {ev.error}", file=sys.stderr)
+                    print(f"{args.prog}: error: {ev.error}", file=sys.stderr)
                     return 1
     finally:
         runtime.close()
