@@ -78,16 +78,10 @@ class RequestMetrics:
 
     @property
     def tokens_per_s(self) -> float:
-        """Generation rate: every generated token over the time from the request's first
-        launched step to its last token (prefill_ms + decode_ms); 0 before any token. Not
-        decode_ms alone: the runtime launches the next step before it reads the current one,
-        so the first token is read after the second was computed, and decode_ms of a short run
-        holds almost nothing (2 tokens read as thousands a second). Over a long run this is
-        the decode rate, the prefill's share shrinking."""
-        elapsed_ms = self.prefill_ms + self.decode_ms
-        if self.generated_tokens == 0 or elapsed_ms <= 0:
+        """Decode rate: tokens after the first over the time spent producing them."""
+        if self.generated_tokens <= 1 or self.decode_ms <= 0:
             return 0.0
-        return self.generated_tokens / (elapsed_ms / 1000.0)
+        return (self.generated_tokens - 1) / (self.decode_ms / 1000.0)
 
     def as_dict(self) -> dict[str, float | int]:
         return {
@@ -99,6 +93,9 @@ class RequestMetrics:
             "proposed_tokens": self.proposed_tokens, "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_target_step": round(self.tokens_per_target_step, 4),
+            # where speculation below break-even stopped (spec_disabled_reason says why)
+            **({"spec_disabled_at_token": self.spec_disabled_at_token}
+               if self.spec_disabled_at_token >= 0 else {}),
         }
 
 

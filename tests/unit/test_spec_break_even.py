@@ -97,9 +97,11 @@ def test_a_request_never_accepted_stops_proposing_and_one_accepted_goes_on(stori
     assert wrong.spec_disabled_at_token == 1 + 4
     assert "0 accepted tokens per verify step over 4 steps" in wrong.spec_disabled_reason
     assert "min_accepted_per_step 0.5" in wrong.spec_disabled_reason
+    assert wrong.as_dict()["spec_disabled_at_token"] == 5  # on `llm-runner generate`'s line
 
     right = metrics["right"]
     assert right.spec_disabled_at_token == -1 and right.spec_disabled_reason == ""
+    assert "spec_disabled_at_token" not in right.as_dict()
     assert right.accepted_tokens == right.proposed_tokens > 0  # speculated to its end
     assert right.verify_steps == proposer.asked["right"] > 4
     assert right.verify_steps < MAX_TOKENS // 2  # K + 1 tokens a step, not one
