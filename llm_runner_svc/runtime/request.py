@@ -78,10 +78,16 @@ class RequestMetrics:
 
     @property
     def tokens_per_s(self) -> float:
-        """Decode rate: tokens after the first over the time spent producing them."""
-        if self.generated_tokens <= 1 or self.decode_ms <= 0:
+        """Generation rate: every generated token over the time from the request's first
+        launched step to its last token (prefill_ms + decode_ms); 0 before any token. Not
+        decode_ms alone: the runtime launches the next step before it reads the current one,
+        so the first token is read after the second was computed, and decode_ms of a short run
+        holds almost nothing (2 tokens read as thousands a second). Over a long run this is
+        the decode rate, the prefill's share shrinking."""
+        elapsed_ms = self.prefill_ms + self.decode_ms
+        if self.generated_tokens == 0 or elapsed_ms <= 0:
             return 0.0
-        return (self.generated_tokens - 1) / (self.decode_ms / 1000.0)
+        return self.generated_tokens / (elapsed_ms / 1000.0)
 
     def as_dict(self) -> dict[str, float | int]:
         return {
