@@ -17,7 +17,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,8 @@ class StageConfig:
     max_loras: int = 0  # maxLoras: adapter slots (resident at once); 0 = len(lora_adapters)
     max_lora_rank: int = 0  # maxLoraRank: largest rank a slot holds (0 = the engine's default)
     adapter_root: str = ""  # where LoadAdapter's relative paths start (the artifact's folder)
+    adapter_root_is: str = ""  # what adapter_root is, for errors ("the artifact's folder")
+    source: str = ""  # where the stage was read ("stage.json: stages[0]"); "" = not a file
 
     multimodal_artifact: str = ""  # config.multimodal_artifact: the vision tower's directory
     # ("" = the artifact's own, when it is a vision-language model)
@@ -93,6 +95,11 @@ class StageConfig:
     device: str = ""  # the torch engine's device ("cpu", "cuda", "cuda:N"); "" = GPU if any
     synthetic_step_ms: float = DEFAULT_STEP_MS  # the synthetic engine's time per step
     synthetic_token_us: float = DEFAULT_TOKEN_US  # and per token of a step's batch
+
+    def where(self, key: str) -> str:
+        """`key` as errors name it: after the stage's place in its file, as the file's own
+        checks do (`stage.json: stages[0].config.visual_pruning`)."""
+        return f"{self.source}.{key}" if self.source else key
 
     def runtime_config(self) -> RuntimeConfig:
         """The runtime's settings for this stage."""
@@ -202,9 +209,10 @@ def load_stage_config(path: str | Path, stage_id: str | None = None) -> StageCon
                           f"{len(ours)}" + ("" if stage_id else "; pick one with --stage"))
     i, raw = ours[0]
     try:
-        return _parse_stage(raw, p.parent)
+        config = _parse_stage(raw, p.parent)
     except RunnerError as exc:
         raise type(exc)(f"{p}: stages[{i}].{exc.message}") from exc
+    return replace(config, source=f"{p}: stages[{i}]")
 
 
 def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
@@ -240,7 +248,7 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
     if unknown_port_keys:
         raise ConfigError(f"ports.hidden.{unknown_port_keys[0]}: unknown key (valid: "
                           f"{sorted(_PORT_KEYS)})")
-    adapter_root = _adapter_root(artifact, base)
+    adapter_root, adapter_root_is = _adapter_root(artifact, base)
     adapters = tuple((name, str(adapter_root / path))
                      for name, path in cfg.get("lora_adapters", {}).items())
     multimodal = cfg.get("multimodal_artifact", "")
@@ -278,6 +286,7 @@ def _parse_stage(raw: Mapping[str, Any], base: Path) -> StageConfig:
         visual_pruning=PruningConfig.from_keys(pruning) if pruning is not None else None,
         max_loras=_typed(raw, "maxLoras", int, 0),
         max_lora_rank=_typed(raw, "maxLoraRank", int, 0), adapter_root=str(adapter_root),
+        adapter_root_is=adapter_root_is,
         spec=_spec_config(cfg.get("spec_decode"), _draft_path(cfg, artifact, base)))
 
 
@@ -336,11 +345,16 @@ def _spec_config(raw: Mapping[str, Any] | None, draft: str) -> SpecConfig | None
         raise ConfigError(f"config.{exc.message}") from exc
 
 
-def _adapter_root(artifact: str, base: Path) -> Path:
+def _adapter_root(artifact: str, base: Path) -> tuple[Path, str]:
     """Where `lora_adapters` paths (and LoadAdapter's) start: the artifact (its folder when
-    it is a file; the config file's folder for a built-in model)."""
-    root = base if artifact in _BUILTIN else Path(artifact)
-    return root.parent if root.is_file() else root
+    it is a file; the config file's folder for a built-in model), and what that is, in
+    words for errors."""
+    if artifact in _BUILTIN:
+        return base, f"the stage file's folder, as the artifact {artifact!r} is built in"
+    root = Path(artifact)
+    if root.is_file():
+        return root.parent, f"the folder of the artifact {root.name}"
+    return root, "the artifact"
 
 
 def _parse_runner_keys(cfg: Mapping[str, Any]) -> tuple[int, SamplingDefaults, str]:

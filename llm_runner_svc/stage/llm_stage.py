@@ -10,7 +10,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import Any, cast
 
 from opentelemetry.trace import Status, StatusCode
@@ -19,7 +18,6 @@ from llm_runner_svc.engines import create_engine, create_vision
 from llm_runner_svc.engines.drafts import create_draft_engine
 from llm_runner_svc.errors import FailedPrecondition, RunnerError, Unimplemented
 from llm_runner_svc.models import Model, load_model
-from llm_runner_svc.models.lora import load_adapter
 from llm_runner_svc.runtime import FinishReason, InferenceRuntime, StepEvent
 from llm_runner_svc.runtime.encoder_cache import EncoderCache
 from llm_runner_svc.stage.adapters import AdapterTable
@@ -46,6 +44,12 @@ from llm_runner_svc.stage.diagnostics import (
 from llm_runner_svc.stage.faults import runtime_factory_from_env
 from llm_runner_svc.stage.images import ImageEncoder, MediaRefused
 from llm_runner_svc.stage.limits import RequestSizes
+from llm_runner_svc.stage.load_checks import (
+    check_multimodal_path,
+    check_vision,
+    load_adapters,
+    read_adapter,
+)
 from llm_runner_svc.stage.metrics import StageMetrics
 from llm_runner_svc.stage.publish import HiddenPublisher, Subscriber
 from llm_runner_svc.stage.publish_step import PromptWindows, publish_step
@@ -82,9 +86,7 @@ class LlmStage(StageCore):
         self.prompt_windows = PromptWindows()  # prompts prefilled in part, held back
         self.tokenizer = TokenizeWorker()
         self.images: ImageEncoder | None = None  # a vision-language model's images path
-        if config.visual_pruning is not None and model.vision is None:
-            raise Unimplemented(f"config.visual_pruning: cannot be honoured: model "
-                                f"{model.name} has no vision tower")
+        check_vision(config, model)
         if model.vision is not None and not runtime.engine.supports_embeds:
             raise Unimplemented(f"model {model.name} takes images; the {runtime.engine.name!r} "
                                 "engine takes token ids only (the numpy and torch engines "
@@ -105,11 +107,11 @@ class LlmStage(StageCore):
                runtime_factory: RuntimeFactory | None = None) -> LlmStage:
         """Load the model and build the engine and the runtime (by `runtime_factory`; by
         default the plain runtime, or the faulty one when LLM_RUNNER_FAULTS asks for it)."""
+        check_multimodal_path(config)
         model = load_model(config.artifact, config.multimodal_artifact or None)
         options: dict[str, Any] = config.engine_options()
         if config.lora_adapters:  # refused here, naming the file, when one does not fit
-            options["adapters"] = [load_adapter(name, Path(path), model.config)
-                                   for name, path in config.lora_adapters]
+            options["adapters"] = load_adapters(config, model)
         engine = create_engine(config.engine, model.config, model.weights, **options)
         if config.num_lora_slots:  # maxLoras slots, claimed now (a draft engine takes none)
             engine.reserve_adapters(config.num_lora_slots, config.max_lora_rank or None)
@@ -146,17 +148,14 @@ class LlmStage(StageCore):
         (INVALID_ARGUMENT / NOT_FOUND) and changes nothing."""
         slot = self.adapters.reserve(name)
         try:
-            where = Path(path)
-            if not where.is_absolute():
-                where = Path(self.config.adapter_root or ".") / where
             adapter = await asyncio.get_running_loop().run_in_executor(
-                None, load_adapter, name, where, self.model.config)
+                None, read_adapter, self.config, name, path, self.model)
             self.runtime.set_adapter(slot, adapter)
         except BaseException:
             self.adapters.release(slot)
             raise
         self.adapters.commit(slot)
-        log.info("LoRA adapter %s loaded from %s into slot %d", name, where, slot)
+        log.info("LoRA adapter %s loaded from %s into slot %d", name, path, slot)
         return self.adapters.names
 
     def unload_adapter(self, name: str) -> list[str]:
