@@ -19,6 +19,7 @@ from llm_runner_svc.stage.hidden_messages import (
     TensorBytes,
 )
 from llm_runner_svc.stage.limits import RequestSizes
+from llm_runner_svc.stage.tokenizing import Tokenized
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.contract.llmstage.v1 import tensor_pb2
 from services.stage.codec import reason_to_pb
@@ -170,3 +171,9 @@ def port_message_to_pb(msg: PortMessage) -> pb.SubscribeEvent:
         hidden.embeddings_shm.CopyFrom(emb_shm)
         hidden.states_shm.CopyFrom(st_shm)
     return pb.SubscribeEvent(request_id=msg.request_id, seq=msg.seq, hidden=hidden)
+
+
+def tokenized_to_pb(t: Tokenized) -> pb.TokenizeResponse:
+    return pb.TokenizeResponse(token_ids=t.token_ids, max_seq=t.max_seq,
+                               vocab_size=t.vocab_size, bos_token=t.bos_token,
+                               eos_token=t.eos_token, model=t.model)

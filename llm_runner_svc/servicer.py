@@ -57,6 +57,17 @@ class StageServicer(StageServicerBase):
         return codec.admission_to_pb(await self.stage.admit(
             request.slot_id, req, call_ctx(context), context_from(request.traceparent)))
 
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+                       ) -> pb.TokenizeResponse:
+        req = codec.request_from_pb(0, request.request)
+        add = (request.add_special_tokens if request.HasField("add_special_tokens")
+               else True)
+        return codec.tokenized_to_pb(await self.stage.tokenize(req, add))
+
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        return pb.DetokenizeResponse(text=self.stage.detokenize(list(request.token_ids)))
+
     async def LoadAdapter(self, request: pb.LoadAdapterRequest,
                           context: grpc.aio.ServicerContext) -> pb.LoadAdapterResponse:
         check_admin(self._admin_token, context.invocation_metadata(), "LoadAdapter")

@@ -57,6 +57,7 @@ from llm_runner_svc.stage.request import StageRequest
 from llm_runner_svc.stage.shm_budget import ShmBudget, ring_bytes_for
 from llm_runner_svc.stage.subscriber import check_subscribe
 from llm_runner_svc.stage.tokenize_worker import TokenizeWorker
+from llm_runner_svc.stage.tokenizing import Tokenized, detokenize, tokenize_alone
 from llm_runner_svc.stage.tracing import call_span, run_spans
 from services.stage.core import MAX_WINDOW, StageCore
 from services.stage.slot import Slot
@@ -242,6 +243,16 @@ class LlmStage(StageCore):
         (images.py). Runs on the worker thread."""
         ids = tokenize(self.model, request)
         return self.images.admit(request, ids) if self.images is not None else ids
+
+    async def tokenize(self, request: StageRequest, add_special_tokens: bool) -> Tokenized:
+        """Tokenize: the prompt's ids as Admit would take them, on a thread of its own; no
+        slot, nothing changed (tokenizing.py)."""
+        return await asyncio.to_thread(tokenize_alone, self.model, self.config.limits,
+                                       self.runtime.max_seq, request, add_special_tokens)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Detokenize: the ids' text, special tokens included."""
+        return detokenize(self.model, token_ids)
 
     def prepare(self, slot_id: int, call_ctx: Any = None) -> Slot:
         slot = super().prepare(slot_id, call_ctx)

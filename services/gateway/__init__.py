@@ -1,9 +1,12 @@
-"""The OpenAI-compatible HTTP gateway: `/v1/chat/completions`, `/v1/completions`, `/v1/models`
-and `/health` over aiohttp, each request one `Orchestrator.Generate` call over gRPC.
+"""The OpenAI-compatible HTTP gateway: `/v1/chat/completions`, `/v1/completions`, `/v1/models`,
+`/health` and `/metrics` over aiohttp, each generation one `Orchestrator.Generate` call over
+gRPC; and vLLM's `/tokenize`, `/detokenize`, `/tokenizer_info` over the orchestrator's Tokenize
+and Detokenize.
 
 It talks to the orchestrator only (never to a stage), holds no model and no tokenizer: the chat
 template, tokenization and sampling stay on the stages. Modules: `call.py` (an HTTP body -> a
 Call, malformed input refused there), `shapes.py` (OpenAI-shaped answers, chunks and errors),
-`upstream.py` (the gRPC side), `handlers.py` (routes and server-sent events), `middleware.py`
-(trace, metrics, errors per HTTP request), `server.py` (config and process).
+`upstream.py` (the gRPC side), `handlers.py` (routes and server-sent events), `tokens.py` (the
+tokenizer routes), `middleware.py` (trace, metrics, errors per HTTP request), `server.py`
+(config and process).
 """

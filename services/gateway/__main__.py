@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="gRPC connections to the orchestrator per worker, calls dealt "
                              "round robin: each connection reaches one orchestrator worker (or "
                              f"replica) only (default {_DEFAULTS.num_channels})")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name the deployment's text model is served under in "
+                             "/v1/models and requests' `model` (e.g. a Hugging Face repo id "
+                             "that clients load its tokenizer by); default: its stage id")
     parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")  # read when grpc is imported, below
@@ -57,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         config = GatewayConfig(orchestrator=args.orchestrator, host=args.host, port=args.port,
                                request_timeout_s=args.request_timeout_s,
                                num_channels=args.orchestrator_channels,
+                               served_model_name=args.served_model_name,
                                is_port_shared=args.worker_index is not None)
         if args.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")

@@ -110,7 +110,7 @@ def parse_chat(body: Any) -> Call:
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", 1)
     images: list[tuple[str, bytes]] = []
-    return Call(kind="chat", messages=_messages(body.get("messages"), images),
+    return Call(kind="chat", messages=messages_of(body.get("messages"), images),
                 images=tuple(images), **_common(body, max_tokens))
 
 
@@ -212,8 +212,9 @@ def _asks_nothing(value: Any, neutral: tuple[Any, ...]) -> bool:
     return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
 
 
-def _messages(value: Any, images: list[tuple[str, bytes]]
-              ) -> tuple[tuple[str, str | tuple[str | int, ...]], ...]:
+def messages_of(value: Any, images: list[tuple[str, bytes]]
+                ) -> tuple[tuple[str, str | tuple[str | int, ...]], ...]:
+    """A chat body's `messages` as (role, content) pairs, each image appended to `images`."""
     if not isinstance(value, list) or not value:
         raise BadField("messages", "messages must be a non-empty list")
     out = []

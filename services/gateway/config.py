@@ -18,6 +18,9 @@ class GatewayConfig:
     # HTTP/2 connection sticks to one orchestrator worker (or replica behind a Service).
     num_channels: int = 4
     is_port_shared: bool = False  # SO_REUSEPORT: one of several workers (services/workers.py)
+    # The name the first text model is served under instead of its stage id (e.g. the Hugging
+    # Face repo id its tokenizer loads by); None: the stage id.
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -28,5 +31,7 @@ class GatewayConfig:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.num_channels < 1:
             raise ValueError(f"num_channels must be >= 1, got {self.num_channels}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be empty")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

@@ -43,11 +43,11 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_chat(await _body(request)), "chatcmpl-")
+    return await _generate(request, parse_chat(await body_of(request)), "chatcmpl-")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    calls = parse_completions(await _body(request))
+    calls = parse_completions(await body_of(request))
     if len(calls) == 1:
         return await _generate(request, calls[0], "cmpl-")
     return await _batch(request, calls, "cmpl-")
@@ -85,7 +85,8 @@ def _model(request: web.Request, model: str) -> dict:
             "owned_by": "llm-runner-svc"}
 
 
-async def _body(request: web.Request) -> object:
+async def body_of(request: web.Request) -> object:
+    """The request's JSON body; InvalidArgument when it does not parse."""
     try:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from services.gateway import handlers
+from services.gateway import handlers, tokens
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.middleware import METRICS, observe
@@ -40,6 +40,9 @@ def create_app(config: GatewayConfig, upstream: Upstream, metrics: GatewayMetric
     app.router.add_get("/v1/models/{model}", handlers.get_model)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_post("/tokenize", tokens.tokenize)
+    app.router.add_post("/detokenize", tokens.detokenize)
+    app.router.add_get("/tokenizer_info", tokens.tokenizer_info)
     return app
 
 
@@ -59,7 +62,8 @@ class GatewayHandle:
 async def create_gateway(config: GatewayConfig) -> GatewayHandle:
     """Listen on config.host:config.port (0: any free port). The orchestrator need not be up:
     requests answer 503 until it is. Raises OSError when the port cannot be bound."""
-    upstream = Upstream(config.orchestrator, num_channels=config.num_channels)
+    upstream = Upstream(config.orchestrator, num_channels=config.num_channels,
+                        served_model_name=config.served_model_name)
     metrics = GatewayMetrics()
     runner = web.AppRunner(create_app(config, upstream, metrics), handler_cancellation=True,
                            access_log=None, shutdown_timeout=2.0)

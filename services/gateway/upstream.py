@@ -1,4 +1,5 @@
-"""The gateway's one dependency: the orchestrator over gRPC (Generate, Topology, health).
+"""The gateway's one dependency: the orchestrator over gRPC (Generate, Topology, Tokenize,
+Detokenize, health).
 
 `Upstream` owns a few `grpc.aio` channels, each its own connection (a private subchannel
 pool: channels of equal arguments would otherwise share one), and deals the HTTP requests'
@@ -49,6 +50,18 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Tokens:
+    """A prompt's ids from the served model's tokenizer, and the tokenizer's facts."""
+
+    token_ids: tuple[int, ...]
+    max_seq: int
+    vocab_size: int
+    bos_token: str
+    eos_token: str
+    model: str  # the stage's model name (a file's, not the served name)
+
+
+@dataclass(frozen=True)
 class Outcome:
     """The end of a request; `finish_reason` is the contract's name ("end_of_sequence",
     "max_length", "stop_words", "cancelled", "error")."""
@@ -64,8 +77,13 @@ class Upstream:
     loop that uses it; `close()` ends calls still running."""
 
     def __init__(self, target: str, max_message_bytes: int = 16 << 20,
-                 num_channels: int = 1) -> None:
+                 num_channels: int = 1, served_model_name: str | None = None) -> None:
+        """`served_model_name`: the name the first text sink's stage is served under instead
+        of its topology's servedModelName or stage id (a Hugging Face repo id, say, that
+        clients load a tokenizer by)."""
         self.target = target
+        self._served_name = served_model_name
+        self._stage_of: dict[str, str] = {}  # model id -> the stage whose text it streams
         self._channels = [grpc.aio.insecure_channel(target, options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -87,8 +105,14 @@ class Upstream:
             answer = await self._stub.Topology(opb.TopologyRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from None
-        ids = [s.split(":", 1)[0] for s in answer.sinks if s.endswith(":text")]
-        self._models = tuple(dict.fromkeys(ids))
+        stages = list(dict.fromkeys(s.split(":", 1)[0] for s in answer.sinks
+                                    if s.endswith(":text")))
+        served = {s.id: s.served_model_name for s in answer.stages if s.served_model_name}
+        names = [served.get(stage, stage) for stage in stages]
+        if self._served_name is not None and names:
+            names[0] = self._served_name
+        self._stage_of = dict(zip(names, stages, strict=True))
+        self._models = tuple(names)
         return self._models
 
     async def check_model(self, model: str) -> None:
@@ -113,8 +137,9 @@ class Upstream:
         """Streams one generation: `Piece`s, then one `Outcome`. The current trace context
         travels as the call's traceparent. Closing the iterator early (the HTTP client went
         away) cancels the call, and the orchestrator finishes the request on every stage."""
-        rpc = next(self._turns).Generate(_request(call, request_id), timeout=timeout_s,
-                                         metadata=metadata_for())
+        rpc = next(self._turns).Generate(
+            _request(call, request_id, self._stage_of.get(call.model, call.model)),
+            timeout=timeout_s, metadata=metadata_for())
         try:
             async for event in rpc:
                 if event.HasField("delta"):
@@ -127,6 +152,33 @@ class Upstream:
             raise self._error(exc, timeout_s) from None
         finally:
             rpc.cancel()  # a no-op after a normal end
+
+    async def tokenize(self, model: str, call: Call, add_special_tokens: bool,
+                       timeout_s: float = 60.0) -> Tokens:
+        """The ids of `call`'s prompt (text or messages) from `model`'s stage tokenizer,
+        through the orchestrator; the model must have been checked (check_model)."""
+        request = pb.TokenizeRequest(request=_request(call, "", "").request,
+                                     add_special_tokens=add_special_tokens,
+                                     stage_id=self._stage_of.get(model, model))
+        try:
+            answer = await next(self._turns).Tokenize(request, timeout=timeout_s,
+                                                      metadata=metadata_for())
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        return Tokens(tuple(answer.token_ids), answer.max_seq, answer.vocab_size,
+                      answer.bos_token, answer.eos_token, answer.model)
+
+    async def detokenize(self, model: str, token_ids: list[int], timeout_s: float = 60.0
+                         ) -> str:
+        """The text of `token_ids` (special tokens included) from `model`'s stage tokenizer."""
+        request = pb.DetokenizeRequest(token_ids=token_ids,
+                                       stage_id=self._stage_of.get(model, model))
+        try:
+            answer = await next(self._turns).Detokenize(request, timeout=timeout_s,
+                                                        metadata=metadata_for())
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        return str(answer.text)
 
     def _error(self, exc: grpc.aio.AioRpcError, timeout_s: float | None = None
                ) -> ServiceError:
@@ -146,7 +198,7 @@ def _chat_message(role: str, content: str | tuple[str | int, ...]) -> pb.ChatMes
         pb.ChatPart(image=p) if isinstance(p, int) else pb.ChatPart(text=p) for p in content])
 
 
-def _request(call: Call, request_id: str) -> opb.GenerateRequest:
+def _request(call: Call, request_id: str, stage_id: str) -> opb.GenerateRequest:
     s = call.sampling
     sampling = pb.SamplingOverrides(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                     max_tokens=s.max_tokens, seed=s.seed)
@@ -162,4 +214,4 @@ def _request(call: Call, request_id: str) -> opb.GenerateRequest:
         req.messages.messages.extend(_chat_message(role, content)
                                      for role, content in call.messages)
     req.media.extend(pb.MediaPart(mime_type=mime, data=data) for mime, data in call.images)
-    return opb.GenerateRequest(request=req, sinks=[f"{call.model}:text"])
+    return opb.GenerateRequest(request=req, sinks=[f"{stage_id}:text"])

@@ -146,7 +146,7 @@ class TopologyReport:
         return opb.TopologyResponse(
             stages=[opb.StageInfo(
                 id=s.stage_id, runner=s.runner, emits=list(s.emits), inputs=list(s.inputs),
-                on_missing=s.on_missing,
+                on_missing=s.on_missing, served_model_name=s.served_model_name or "",
                 replicas=[opb.ReplicaInfo(endpoint=r.endpoint, healthy=r.is_healthy,
                                           in_flight=r.in_flight)
                           for r in self.replicas[s.stage_id]]) for s in t.stages],

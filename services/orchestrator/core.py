@@ -17,6 +17,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from services.errors import (
     AlreadyExists,
     DeadlineExceeded,
+    NotFound,
     ResourceExhausted,
     ServiceError,
     Unavailable,
@@ -36,7 +37,7 @@ from services.orchestrator.discovery import (
     create_admit,
 )
 from services.orchestrator.metrics import OrchestratorMetrics
-from services.orchestrator.replicas import StagePool
+from services.orchestrator.replicas import Replica, StagePool
 from services.orchestrator.routes import compute_route
 from services.orchestrator.run import Placement, RequestRun
 from services.orchestrator.topology import StageSpec, Topology
@@ -212,6 +213,21 @@ class Orchestrator:
             queued.set()  # its Generate ends with finish reason CANCELLED, nothing generated
             return True
         return False
+
+    def tokenizer_replica(self, stage_id: str) -> Replica:
+        """The replica that answers Tokenize and Detokenize for `stage_id` (empty: the stage
+        of the first text sink): NotFound for a stage the topology lacks, Unavailable when no
+        replica of it is healthy."""
+        if not stage_id:
+            texts = [s.split(":", 1)[0] for s in self.topology.sinks if s.endswith(":text")]
+            if not texts:
+                raise NotFound("the topology has no text sink; name a stage (stage_id)")
+            stage_id = texts[0]
+        pool = self.pools.get(stage_id)
+        if pool is None:
+            raise NotFound(f"stage {stage_id!r} is not in the topology "
+                           f"({', '.join(self.pools)})")
+        return pool.pick()
 
     # ---- internals ---------------------------------------------------------------------
     def _wiring(self, stage_id: str, active: tuple[str, ...], sinks: tuple[str, ...]

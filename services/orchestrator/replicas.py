@@ -7,13 +7,14 @@ import itertools
 import logging
 import secrets
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.contract.llmstage.v1 import stage_pb2_grpc
-from services.errors import Unavailable
+from services.errors import ServiceError, Unavailable, error_for
 from services.orchestrator.cohorts import CohortStream
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,16 @@ class Replica:
 
     def next_slot_id(self) -> int:
         return next(self._slot_ids)
+
+    async def forward(self, method: str, request_pb: Any, timeout: float | None) -> Any:
+        """One unary call of the Stage service passed through as it is (Tokenize,
+        Detokenize); its failure raised as the typed error of its status."""
+        try:
+            return await getattr(self.stub, method)(request_pb, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            error: ServiceError = error_for(exc.code().name, f"stage {self.stage_id} at "
+                                            f"{self.endpoint}: {exc.details()}")
+            raise error from None
 
     async def describe(self, timeout: float) -> pb.DescribeResponse:
         """Ask the replica what it runs (kept in `description`); raises grpc.aio.AioRpcError."""

@@ -10,6 +10,7 @@ import grpc
 
 from services.contract.llmstage.v1 import orchestrator_pb2 as opb
 from services.contract.llmstage.v1 import orchestrator_pb2_grpc
+from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.metrics import serve_metrics
 from services.orchestrator.codec import GenerateInput
 from services.orchestrator.core import Orchestrator
@@ -49,6 +50,20 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     async def Topology(self, request: opb.TopologyRequest, context: grpc.aio.ServicerContext
                        ) -> opb.TopologyResponse:
         return self.orchestrator.topology_report().to_pb()
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+                       ) -> pb.TokenizeResponse:
+        replica = self.orchestrator.tokenizer_replica(request.stage_id)
+        answer: pb.TokenizeResponse = await replica.forward("Tokenize", request,
+                                                            context.time_remaining())
+        return answer
+
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        replica = self.orchestrator.tokenizer_replica(request.stage_id)
+        answer: pb.DetokenizeResponse = await replica.forward("Detokenize", request,
+                                                              context.time_remaining())
+        return answer
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@
 `discover` (instead of `endpoints`) names a DNS target whose A records are the replicas,
 `dns:///runner-headless.ns.svc:50051` (system resolver) or `dns://SERVER:PORT/NAME:PORT`; the
 orchestrator re-resolves it while it runs (services/orchestrator/discovery.py).
+`servedModelName` (optional) is the name the OpenAI gateway serves the stage's text under,
+instead of its id (a Hugging Face repo id, say, that clients load its tokenizer by).
 `launch` (optional) tells `llm-stage up` how to start the stage locally: `llm-runner serve` with
 that stage config file (relative to the topology file; the embedded default without one), or
 `command` (an executable and its arguments, e.g. the C++ talker; `--host H --port 0` are
@@ -35,7 +37,8 @@ RUNNER_PORTS: dict[str, frozenset[str]] = {
     "talker.codec": frozenset({"audio"}),  # the reference C++ talker (clients/cpp)
 }
 REQUEST_FIELDS = frozenset({"prompt", "text", "messages", "token_ids"})
-_STAGE_KEYS = {"id", "runner", "endpoints", "discover", "emits", "inputs", "onMissing", "launch"}
+_STAGE_KEYS = {"id", "runner", "endpoints", "discover", "emits", "inputs", "onMissing", "launch",
+               "servedModelName"}
 _LAUNCH_KEYS = {"config", "stage", "replicas", "command"}
 _TOP_KEYS = {"stages", "sinks", "defaultSinks", "maxRunning", "maxQueued"}
 
@@ -53,6 +56,9 @@ class StageSpec:
     launch_replicas: int = 0  # 0 = not launched locally
     launch_command: tuple[str, ...] = ()  # a non-Python stage: its executable and arguments
     discover: str | None = None  # a DNS target listing the replicas (then no endpoints)
+    # The name the OpenAI gateway serves its text under (e.g. the Hugging Face repo id its
+    # tokenizer loads by); None: the stage id.
+    served_model_name: str | None = None
 
     def upstream(self) -> list[str]:
         return [i.split(":", 1)[0] for i in self.inputs if not i.startswith("request:")]
@@ -92,8 +98,9 @@ def topology_doc(topology: Topology) -> dict[str, Any]:
     stages = []
     for s in topology.stages:
         where = {"discover": s.discover} if s.discover else {"endpoints": list(s.endpoints)}
+        named = {"servedModelName": s.served_model_name} if s.served_model_name else {}
         stages.append({"id": s.stage_id, "runner": s.runner, **where, "emits": list(s.emits),
-                       "inputs": list(s.inputs), "onMissing": s.on_missing})
+                       "inputs": list(s.inputs), "onMissing": s.on_missing, **named})
     return {"stages": stages, "sinks": list(topology.sinks),
             "defaultSinks": list(topology.default_sinks), "maxRunning": topology.max_running,
             "maxQueued": topology.max_queued}
@@ -213,6 +220,9 @@ def _parse_stage(i: int, raw: Any, base: Path) -> StageSpec:
     on_missing = raw.get("onMissing", "fail")
     if on_missing not in ("fail", "skip"):
         raise InvalidArgument(f"{where}.onMissing: 'fail' or 'skip', got {on_missing!r}")
+    served = raw.get("servedModelName")
+    if served is not None and not (isinstance(served, str) and served.strip()):
+        raise InvalidArgument(f"{where}.servedModelName: a non-empty string, got {served!r}")
     config = (launch or {}).get("config")
     command = list((launch or {}).get("command", []))
     if command and "/" in command[0] and not Path(command[0]).is_absolute():
@@ -221,7 +231,8 @@ def _parse_stage(i: int, raw: Any, base: Path) -> StageSpec:
                      launch_config=str(base / config) if config else None,
                      launch_stage=(launch or {}).get("stage"),
                      launch_replicas=(launch or {}).get("replicas", 1) if launch else 0,
-                     launch_command=tuple(command), discover=discover)
+                     launch_command=tuple(command), discover=discover,
+                     served_model_name=served)
 
 
 def _topological_order(by_id: dict[str, StageSpec]) -> list[StageSpec]:

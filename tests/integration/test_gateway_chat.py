@@ -68,3 +68,29 @@ def test_completion_gives_the_text_of_llm_stage_generate(smol) -> None:
     api = OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=LONG)
     got = api.completions.create(model="backbone", prompt=prompt, max_tokens=16, temperature=0)
     assert got.choices[0].text == expected
+
+
+def test_a_served_model_name_and_its_tokenizer(smol) -> None:
+    dep, _ = smol
+    name = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    gw = GatewayProc(dep.target, "--served-model-name", name)
+    try:
+        api = OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=LONG)
+        assert [m.id for m in api.models.list()] == [name]
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+        whole = api.chat.completions.create(model=name, messages=messages,  # type: ignore[arg-type]
+                                            temperature=0, max_tokens=8)
+        assert whole.model == name and whole.usage is not None
+        status, _, tokens = request(f"{gw.url}/tokenize", {"model": name, "messages": messages})
+        assert status == 200 and tokens["count"] == whole.usage.prompt_tokens
+        status, _, text = request(f"{gw.url}/detokenize", {"model": name,
+                                                            "tokens": tokens["tokens"]})
+        assert text["prompt"].startswith("<|im_start|>system\n" + SYSTEM)
+        assert text["prompt"].endswith("<|im_start|>assistant\n")
+        status, _, info = request(f"{gw.url}/tokenizer_info")
+        assert (info["name_or_path"], info["eos_token"]) == (name, "<|im_end|>")
+        status, _, answer = request(f"{gw.url}/v1/completions", {"model": "backbone",
+                                                                  "prompt": "Hi"})
+        assert status == 404 and name in answer["error"]["message"]
+    finally:
+        gw.stop()

@@ -111,3 +111,42 @@ def test_an_answer_that_ends_at_once_counts_its_end_of_sequence_token(gateway) -
 def _get_text(url: str) -> tuple[int, dict[str, str], str]:
     with urllib.request.urlopen(url, timeout=60) as resp:
         return resp.status, dict(resp.headers), resp.read().decode()
+
+
+def test_tokenize_and_detokenize_use_the_served_models_tokenizer(gateway) -> None:
+    status, _, whole = request(f"{gateway.url}/v1/completions", completion())
+    status, _, tokens = request(f"{gateway.url}/tokenize", {"model": "backbone",
+                                                             "prompt": PROMPT})
+    assert status == 200, tokens
+    assert tokens["count"] == len(tokens["tokens"]) == whole["usage"]["prompt_tokens"]
+    assert tokens["tokens"][0] == 1 and tokens["max_model_len"] == 512  # BOS first
+    status, _, bare = request(f"{gateway.url}/tokenize", {"prompt": PROMPT,  # the only model
+                                                           "add_special_tokens": False})
+    assert status == 200 and bare["tokens"] == tokens["tokens"][1:]
+    status, _, text = request(f"{gateway.url}/detokenize", {"model": "backbone",
+                                                             "tokens": tokens["tokens"]})
+    assert status == 200 and text == {"prompt": PROMPT}
+    # the ids a completion of token ids takes give its text too
+    status, _, by_ids = request(f"{gateway.url}/v1/completions",
+                                completion(prompt=tokens["tokens"]))
+    assert by_ids["choices"][0]["text"] == whole["choices"][0]["text"]
+    status, _, info = request(f"{gateway.url}/tokenizer_info")
+    assert status == 200 and info["model_max_length"] == 512 and info["vocab_size"] == 512
+    assert info["eos_token"] == "</s>" and info["name_or_path"] == "backbone"
+
+
+def test_tokenize_refusals_name_the_field(gateway) -> None:
+    for path, body, expected, param in (
+            ("/tokenize", {"model": "nope", "prompt": "x"}, 404, None),
+            ("/tokenize", {"prompt": 5}, 400, "prompt"),
+            ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}, 400, None),
+            ("/detokenize", {"tokens": [1, 99999]}, 400, None),
+            ("/detokenize", {"tokens": ["a"]}, 400, "tokens")):
+        status, _, answer = request(f"{gateway.url}{path}", body)
+        assert status == expected, (body, answer)
+        assert answer["error"]["param"] == param, answer
+    status, _, answer = request(f"{gateway.url}/tokenize", {
+        "messages": [{"role": "user", "content": "Hi"}]})
+    assert "chat template" in answer["error"]["message"]
+    status, _, answer = request(f"{gateway.url}/detokenize", {"tokens": [1, 99999]})
+    assert "99999" in answer["error"]["message"]

@@ -4,6 +4,7 @@ workers each), and a busy --http-port stops the command before any stage starts.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -49,3 +50,34 @@ def test_a_busy_http_port_stops_up_before_the_stages() -> None:
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], done.stderr
     assert "--http-port" in lines[0]
+
+
+def test_a_topology_names_the_served_model(tmp_path) -> None:
+    name = "karpathy/tinyllamas-stories260K"
+    topology = tmp_path / "named.json"
+    topology.write_text(json.dumps({
+        "stages": [{"id": "backbone", "runner": "llm.backbone", "emits": ["text", "tokens"],
+                    "inputs": ["request:prompt"], "launch": {"replicas": 1},
+                    "servedModelName": name}],
+        "sinks": ["backbone:text"], "defaultSinks": ["backbone:text"]}))
+    up = subprocess.Popen([*LLM_STAGE, "up", "--port", "0", "--topology", str(topology)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                          cwd=ROOT)
+    try:
+        assert up.stdout is not None
+        lines = [up.stdout.readline()]
+        while "gateway listening" not in lines[-1] and lines[-1] and len(lines) < 5:
+            lines.append(up.stdout.readline())
+        gw = re.search(r"gateway listening on (http://[\d.]+:\d+)", lines[-1])
+        assert gw, lines
+        status, _, models = request(f"{gw.group(1)}/v1/models")
+        assert status == 200 and [m["id"] for m in models["data"]] == [name]
+        status, _, body = request(f"{gw.group(1)}/v1/completions", {
+            "model": name, "prompt": "The dog", "temperature": 0, "max_tokens": 4})
+        assert status == 200 and body["model"] == name, body
+        status, _, tokens = request(f"{gw.group(1)}/tokenize", {"model": name,
+                                                                 "prompt": "The dog"})
+        assert status == 200 and tokens["count"] == body["usage"]["prompt_tokens"]
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(LONG) == 0

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from services.contract.llmstage.v1 import orchestrator_pb2 as llmstage_dot_v1_dot_orchestrator__pb2
+from services.contract.llmstage.v1 import stage_pb2 as llmstage_dot_v1_dot_stage__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -50,6 +51,16 @@ class OrchestratorStub:
                 request_serializer=llmstage_dot_v1_dot_orchestrator__pb2.TopologyRequest.SerializeToString,
                 response_deserializer=llmstage_dot_v1_dot_orchestrator__pb2.TopologyResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/llmstage.v1.Orchestrator/Tokenize',
+                request_serializer=llmstage_dot_v1_dot_stage__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=llmstage_dot_v1_dot_stage__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/llmstage.v1.Orchestrator/Detokenize',
+                request_serializer=llmstage_dot_v1_dot_stage__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=llmstage_dot_v1_dot_stage__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class OrchestratorServicer:
@@ -82,6 +93,22 @@ class OrchestratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """A prompt's token ids from a stage's tokenizer (TokenizeRequest.stage_id; empty: the stage of
+        the first text sink), forwarded to one healthy replica of it. NOT_FOUND: no such stage;
+        UNAVAILABLE: no healthy replica.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids' text from a stage's tokenizer, forwarded as Tokenize.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OrchestratorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -99,6 +126,16 @@ def add_OrchestratorServicer_to_server(servicer, server):
                     servicer.Topology,
                     request_deserializer=llmstage_dot_v1_dot_orchestrator__pb2.TopologyRequest.FromString,
                     response_serializer=llmstage_dot_v1_dot_orchestrator__pb2.TopologyResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=llmstage_dot_v1_dot_stage__pb2.TokenizeRequest.FromString,
+                    response_serializer=llmstage_dot_v1_dot_stage__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=llmstage_dot_v1_dot_stage__pb2.DetokenizeRequest.FromString,
+                    response_serializer=llmstage_dot_v1_dot_stage__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,6 +220,60 @@ class Orchestrator:
             '/llmstage.v1.Orchestrator/Topology',
             llmstage_dot_v1_dot_orchestrator__pb2.TopologyRequest.SerializeToString,
             llmstage_dot_v1_dot_orchestrator__pb2.TopologyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmstage.v1.Orchestrator/Tokenize',
+            llmstage_dot_v1_dot_stage__pb2.TokenizeRequest.SerializeToString,
+            llmstage_dot_v1_dot_stage__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmstage.v1.Orchestrator/Detokenize',
+            llmstage_dot_v1_dot_stage__pb2.DetokenizeRequest.SerializeToString,
+            llmstage_dot_v1_dot_stage__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -584,3 +584,43 @@ class EventBatch(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[SubscribeEvent]
     decode_rows: HiddenBlock
     def __init__(self, events: _Optional[_Iterable[_Union[SubscribeEvent, _Mapping]]] = ..., decode_rows: _Optional[_Union[HiddenBlock, _Mapping]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("request", "add_special_tokens", "stage_id")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    request: GenerationRequest
+    add_special_tokens: bool
+    stage_id: str
+    def __init__(self, request: _Optional[_Union[GenerationRequest, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., stage_id: _Optional[str] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "max_seq", "vocab_size", "bos_token", "eos_token", "model")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_seq: int
+    vocab_size: int
+    bos_token: str
+    eos_token: str
+    model: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_seq: _Optional[int] = ..., vocab_size: _Optional[int] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("token_ids", "stage_id")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    stage_id: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., stage_id: _Optional[str] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...

@@ -87,20 +87,22 @@ class ReplicaInfo(_message.Message):
     def __init__(self, endpoint: _Optional[str] = ..., healthy: _Optional[bool] = ..., in_flight: _Optional[int] = ...) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("id", "runner", "emits", "inputs", "on_missing", "replicas")
+    __slots__ = ("id", "runner", "emits", "inputs", "on_missing", "replicas", "served_model_name")
     ID_FIELD_NUMBER: _ClassVar[int]
     RUNNER_FIELD_NUMBER: _ClassVar[int]
     EMITS_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     ON_MISSING_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     id: str
     runner: str
     emits: _containers.RepeatedScalarFieldContainer[str]
     inputs: _containers.RepeatedScalarFieldContainer[str]
     on_missing: str
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
-    def __init__(self, id: _Optional[str] = ..., runner: _Optional[str] = ..., emits: _Optional[_Iterable[str]] = ..., inputs: _Optional[_Iterable[str]] = ..., on_missing: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ...) -> None: ...
+    served_model_name: str
+    def __init__(self, id: _Optional[str] = ..., runner: _Optional[str] = ..., emits: _Optional[_Iterable[str]] = ..., inputs: _Optional[_Iterable[str]] = ..., on_missing: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., served_model_name: _Optional[str] = ...) -> None: ...
 
 class TopologyResponse(_message.Message):
     __slots__ = ("stages", "sinks", "default_sinks", "max_running", "max_queued", "running", "queued", "runs", "step_streams", "stream_members")

@@ -90,6 +90,16 @@ class StageStub:
                 request_serializer=llmstage_dot_v1_dot_stage__pb2.UnloadAdapterRequest.SerializeToString,
                 response_deserializer=llmstage_dot_v1_dot_stage__pb2.UnloadAdapterResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/llmstage.v1.Stage/Tokenize',
+                request_serializer=llmstage_dot_v1_dot_stage__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=llmstage_dot_v1_dot_stage__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/llmstage.v1.Stage/Detokenize',
+                request_serializer=llmstage_dot_v1_dot_stage__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=llmstage_dot_v1_dot_stage__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -196,6 +206,24 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The token ids of a prompt as Admit tokenizes it (a conversation through the chat template),
+        with no slot and nothing changed; and the tokenizer's facts. INVALID_ARGUMENT: a malformed
+        prompt, or a conversation on a model with no chat template. Optional: a stage without a
+        tokenizer answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of token ids, special tokens included. INVALID_ARGUMENT: an id outside the
+        vocabulary. Optional, as Tokenize.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -253,6 +281,16 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.UnloadAdapter,
                     request_deserializer=llmstage_dot_v1_dot_stage__pb2.UnloadAdapterRequest.FromString,
                     response_serializer=llmstage_dot_v1_dot_stage__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=llmstage_dot_v1_dot_stage__pb2.TokenizeRequest.FromString,
+                    response_serializer=llmstage_dot_v1_dot_stage__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=llmstage_dot_v1_dot_stage__pb2.DetokenizeRequest.FromString,
+                    response_serializer=llmstage_dot_v1_dot_stage__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -553,6 +591,60 @@ class Stage:
             '/llmstage.v1.Stage/UnloadAdapter',
             llmstage_dot_v1_dot_stage__pb2.UnloadAdapterRequest.SerializeToString,
             llmstage_dot_v1_dot_stage__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmstage.v1.Stage/Tokenize',
+            llmstage_dot_v1_dot_stage__pb2.TokenizeRequest.SerializeToString,
+            llmstage_dot_v1_dot_stage__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmstage.v1.Stage/Detokenize',
+            llmstage_dot_v1_dot_stage__pb2.DetokenizeRequest.SerializeToString,
+            llmstage_dot_v1_dot_stage__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
