@@ -50,6 +50,9 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
     "chat_template": (None,), "chat_template_kwargs": (None, {}),
     "documents": (None, []), "mm_processor_kwargs": (None, {}),
+    "include_reasoning": (None, True), "prompt_embeds": (None,),
+    "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
+    "vllm_xargs": (None, {}),
 }
 # Special tokens the prompt's tokenization adds: the stage adds the model's BOS to a text prompt
 # (vLLM's completions default) and none to a rendered conversation (its chat default).

@@ -111,6 +111,7 @@ def test_a_body_that_is_not_an_object() -> None:
     ("use_beam_search", True), ("stop_token_ids", [2]), ("skip_special_tokens", False),
     ("structured_outputs", {"regex": "a"}), ("add_generation_prompt", False),
     ("add_special_tokens", True), ("repetition_penalty", True), ("parallel_tool_calls", "no"),
+    ("prompt_embeds", "AAAA"), ("include_reasoning", False), ("return_token_ids", True),
 ])
 def test_fields_that_change_the_output_are_refused_by_name(key: str, value: Any) -> None:
     for parse, body in ((parse_chat, CHAT), (parse_completion, {"model": "m", "prompt": "x"})):
