@@ -176,4 +176,5 @@ def port_message_to_pb(msg: PortMessage) -> pb.SubscribeEvent:
 def tokenized_to_pb(t: Tokenized) -> pb.TokenizeResponse:
     return pb.TokenizeResponse(token_ids=t.token_ids, max_seq=t.max_seq,
                                vocab_size=t.vocab_size, bos_token=t.bos_token,
-                               eos_token=t.eos_token, model=t.model)
+                               eos_token=t.eos_token, model=t.model,
+                               chat_template=t.chat_template)

@@ -26,6 +26,7 @@ class Tokenized:
     bos_token: str  # "" when the model has none
     eos_token: str  # the first EOS id's text; "" when none
     model: str
+    chat_template: str  # the Jinja source; "" when the model has none
 
 
 def tokenize_alone(model: Model, limits: RequestLimits, max_seq: int, req: StageRequest,
@@ -45,8 +46,9 @@ def tokenize_alone(model: Model, limits: RequestLimits, max_seq: int, req: Stage
     else:
         ids = tokenize(model, req)
     eos = tok.eos_ids[0] if tok.eos_ids else None
+    template = model.chat_template.source if model.chat_template is not None else ""
     return Tokenized(ids, max_seq, tok.vocab_size, _text_of(model, tok.bos_id),
-                     _text_of(model, eos), model.name)
+                     _text_of(model, eos), model.name, template)
 
 
 def detokenize(model: Model, token_ids: Sequence[int]) -> str:

@@ -5,7 +5,8 @@ clients that count or cut prompts themselves (lm-eval's `tokenizer_backend=remot
     POST /tokenize {model?, prompt | messages, add_special_tokens?}
         -> {count, max_model_len, tokens, token_strs: null}
     POST /detokenize {model?, tokens} -> {prompt}
-    GET /tokenizer_info -> {tokenizer_class, model_max_length, vocab_size, bos_token, ...}
+    GET /tokenizer_info -> {tokenizer_class, model_max_length, vocab_size, bos_token,
+                            eos_token, chat_template, ...}
 
 `model` may be left out while the deployment serves one model. A text prompt gets the model's
 BOS where the model expects one unless `add_special_tokens` is false (vLLM's default for
@@ -80,7 +81,8 @@ async def tokenizer_info(request: web.Request) -> web.Response:
     return web.json_response({
         "tokenizer_class": "llm-runner-svc", "name_or_path": model, "model": facts.model,
         "model_max_length": facts.max_seq, "vocab_size": facts.vocab_size,
-        "bos_token": facts.bos_token or None, "eos_token": facts.eos_token or None})
+        "bos_token": facts.bos_token or None, "eos_token": facts.eos_token or None,
+        "chat_template": facts.chat_template or None})
 
 
 async def _object(request: web.Request) -> dict[str, Any]:

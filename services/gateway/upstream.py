@@ -59,6 +59,7 @@ class Tokens:
     bos_token: str
     eos_token: str
     model: str  # the stage's model name (a file's, not the served name)
+    chat_template: str  # its Jinja source; "" when the model has none
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ class Upstream:
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from None
         return Tokens(tuple(answer.token_ids), answer.max_seq, answer.vocab_size,
-                      answer.bos_token, answer.eos_token, answer.model)
+                      answer.bos_token, answer.eos_token, answer.model, answer.chat_template)
 
     async def detokenize(self, model: str, token_ids: list[int], timeout_s: float = 60.0
                          ) -> str:

@@ -89,6 +89,7 @@ def test_a_served_model_name_and_its_tokenizer(smol) -> None:
         assert text["prompt"].endswith("<|im_start|>assistant\n")
         status, _, info = request(f"{gw.url}/tokenizer_info")
         assert (info["name_or_path"], info["eos_token"]) == (name, "<|im_end|>")
+        assert "<|im_start|>" in info["chat_template"]
         status, _, answer = request(f"{gw.url}/v1/completions", {"model": "backbone",
                                                                   "prompt": "Hi"})
         assert status == 404 and name in answer["error"]["message"]

@@ -133,6 +133,7 @@ def test_tokenize_and_detokenize_use_the_served_models_tokenizer(gateway) -> Non
     status, _, info = request(f"{gateway.url}/tokenizer_info")
     assert status == 200 and info["model_max_length"] == 512 and info["vocab_size"] == 512
     assert info["eos_token"] == "</s>" and info["name_or_path"] == "backbone"
+    assert info["chat_template"] is None  # stories260K has none
 
 
 def test_tokenize_refusals_name_the_field(gateway) -> None:

@@ -596,20 +596,22 @@ class TokenizeRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[GenerationRequest, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., stage_id: _Optional[str] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
-    __slots__ = ("token_ids", "max_seq", "vocab_size", "bos_token", "eos_token", "model")
+    __slots__ = ("token_ids", "max_seq", "vocab_size", "bos_token", "eos_token", "model", "chat_template")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_seq: int
     vocab_size: int
     bos_token: str
     eos_token: str
     model: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_seq: _Optional[int] = ..., vocab_size: _Optional[int] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    chat_template: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_seq: _Optional[int] = ..., vocab_size: _Optional[int] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., model: _Optional[str] = ..., chat_template: _Optional[str] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
     __slots__ = ("token_ids", "stage_id")
