@@ -59,7 +59,9 @@ class StageServicer(StageServicerBase):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
                        ) -> pb.TokenizeResponse:
-        req = codec.request_from_pb(0, request.request)
+        prompt = request.request
+        is_empty_text = prompt.WhichOneof("prompt") == "text" and not prompt.text
+        req = None if is_empty_text else codec.request_from_pb(0, prompt)
         add = (request.add_special_tokens if request.HasField("add_special_tokens")
                else True)
         return codec.tokenized_to_pb(await self.stage.tokenize(req, add))

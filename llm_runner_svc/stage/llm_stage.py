@@ -244,9 +244,10 @@ class LlmStage(StageCore):
         ids = tokenize(self.model, request)
         return self.images.admit(request, ids) if self.images is not None else ids
 
-    async def tokenize(self, request: StageRequest, add_special_tokens: bool) -> Tokenized:
-        """Tokenize: the prompt's ids as Admit would take them, on a thread of its own; no
-        slot, nothing changed (tokenizing.py)."""
+    async def tokenize(self, request: StageRequest | None, add_special_tokens: bool
+                       ) -> Tokenized:
+        """Tokenize: the prompt's ids as Admit would take them (None: the empty text), on a
+        thread of its own; no slot, nothing changed (tokenizing.py)."""
         return await asyncio.to_thread(tokenize_alone, self.model, self.config.limits,
                                        self.runtime.max_seq, request, add_special_tokens)
 

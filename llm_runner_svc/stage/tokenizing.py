@@ -29,26 +29,31 @@ class Tokenized:
     chat_template: str  # the Jinja source; "" when the model has none
 
 
-def tokenize_alone(model: Model, limits: RequestLimits, max_seq: int, req: StageRequest,
-                   add_special_tokens: bool) -> Tokenized:
-    """Raises InvalidArgument for a prompt Admit would not take as malformed, media (their
-    positions depend on encoding the images), or a conversation with no chat template."""
+def tokenize_alone(model: Model, limits: RequestLimits, max_seq: int,
+                   req: StageRequest | None, add_special_tokens: bool) -> Tokenized:
+    """`req` None: the empty text, which no request may carry but which tokenizes (to the BOS
+    alone, or nothing). Raises InvalidArgument for a prompt Admit would not take as malformed,
+    media (their positions depend on encoding the images), or a conversation with no chat
+    template."""
+    tok = model.tokenizer
+    eos = tok.eos_ids[0] if tok.eos_ids else None
+    template = model.chat_template.source if model.chat_template is not None else ""
+
+    def answer(ids: tuple[int, ...]) -> Tokenized:
+        return Tokenized(ids, max_seq, tok.vocab_size, _text_of(model, tok.bos_id),
+                         _text_of(model, eos), model.name, template)
+
+    if req is None:
+        return answer(tuple(tok.encode("", add_bos=add_special_tokens
+                                       and tok.default_add_bos())))
     check_malformed(limits, max_seq, req)
     if req.num_media:
         raise InvalidArgument("Tokenize takes text, messages or token ids, no media")
     if req.messages is not None and model.chat_template is None:
         raise InvalidArgument(f"model {model.name} has no chat template; send text")
-    tok = model.tokenizer
     if req.text is not None and not add_special_tokens:
-        ids = tuple(tok.encode(req.text, add_bos=False))
-    elif req.text is None and req.messages is None and req.token_ids is None:
-        raise InvalidArgument("TokenizeRequest.request has no prompt")
-    else:
-        ids = tokenize(model, req)
-    eos = tok.eos_ids[0] if tok.eos_ids else None
-    template = model.chat_template.source if model.chat_template is not None else ""
-    return Tokenized(ids, max_seq, tok.vocab_size, _text_of(model, tok.bos_id),
-                     _text_of(model, eos), model.name, template)
+        return answer(tuple(tok.encode(req.text, add_bos=False)))
+    return answer(tokenize(model, req))
 
 
 def detokenize(model: Model, token_ids: Sequence[int]) -> str:

@@ -25,6 +25,10 @@ def test_a_prompts_ids_are_what_admit_counts(server: StageServer) -> None:
     assert list(bare.token_ids) == list(answer.token_ids)[1:]
     text = server.stub.Detokenize(pb.DetokenizeRequest(token_ids=answer.token_ids)).text
     assert text == TEXT
+    empty = pb.GenerationRequest(text="")  # no request may carry it, yet it tokenizes
+    assert list(server.stub.Tokenize(pb.TokenizeRequest(request=empty)).token_ids) == [1]
+    assert list(server.stub.Tokenize(pb.TokenizeRequest(
+        request=empty, add_special_tokens=False)).token_ids) == []
     assert server.wait_idle()["slots"] == 0
 
 

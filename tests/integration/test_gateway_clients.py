@@ -123,6 +123,9 @@ def test_tokenize_and_detokenize_use_the_served_models_tokenizer(gateway) -> Non
     status, _, bare = request(f"{gateway.url}/tokenize", {"prompt": PROMPT,  # the only model
                                                            "add_special_tokens": False})
     assert status == 200 and bare["tokens"] == tokens["tokens"][1:]
+    status, _, empty = request(f"{gateway.url}/tokenize", {"prompt": "",
+                                                            "add_special_tokens": False})
+    assert status == 200 and (empty["count"], empty["tokens"]) == (0, [])
     status, _, text = request(f"{gateway.url}/detokenize", {"model": "backbone",
                                                              "tokens": tokens["tokens"]})
     assert status == 200 and text == {"prompt": PROMPT}
