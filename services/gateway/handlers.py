@@ -134,9 +134,10 @@ async def _read(events: AsyncIterator[Piece | Outcome]) -> tuple[str, Outcome]:
 
 
 async def _batch(request: web.Request, calls: tuple[Call, ...], prefix: str) -> web.Response:
-    """Several prompts of one request: each its own Generate call, all running at once;
-    choice i answers prompt i, the usage is their sum. The first to fail fails the request and
-    cancels the others."""
+    """Several prompts of one request: each its own Generate call, as many at once as the
+    orchestrator runs (its maxRunning: more would only wait in its queue, and a batch larger
+    than the queue would be refused); choice i answers prompt i, the usage is their sum. The
+    first to fail fails the request and cancels the others."""
     upstream = request.app[UPSTREAM]
     await upstream.check_model(calls[0].model)
     request_id = prefix + uuid.uuid4().hex
@@ -145,12 +146,15 @@ async def _batch(request: web.Request, calls: tuple[Call, ...], prefix: str) -> 
         "llmstage.num_prompts": len(calls)})
     timeout_s = request.app[CONFIG].request_timeout_s
 
+    in_flight = asyncio.Semaphore(upstream.max_running)
+
     async def one(i: int, call: Call) -> tuple[str, Outcome]:
-        events = upstream.generate(call, f"{request_id}-{i}", timeout_s)
-        try:
-            return await _read(events)
-        finally:
-            await events.aclose()
+        async with in_flight:
+            events = upstream.generate(call, f"{request_id}-{i}", timeout_s)
+            try:
+                return await _read(events)
+            finally:
+                await events.aclose()
 
     try:
         async with asyncio.TaskGroup() as group:

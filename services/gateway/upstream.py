@@ -94,6 +94,7 @@ class Upstream:
         self._stub = self._stubs[0]  # Topology
         self._health = health_pb2_grpc.HealthStub(self._channels[0])
         self._models: tuple[str, ...] = ()
+        self.max_running = 1  # the orchestrator's maxRunning, as its Topology last said
 
     async def close(self) -> None:
         for channel in self._channels:
@@ -113,6 +114,7 @@ class Upstream:
         if self._served_name is not None and names:
             names[0] = self._served_name
         self._stage_of = dict(zip(names, stages, strict=True))
+        self.max_running = max(1, answer.max_running)
         self._models = tuple(names)
         return self._models
 

@@ -165,3 +165,14 @@ def test_metrics_count_requests_by_route_and_code(busy) -> None:
     assert samples[("llmstage_gateway_http_requests_total",
                     (("code", "200"), ("method", "GET"), ("route", "/v1/models")))] == 1
     assert samples[("llmstage_gateway_http_request_duration_seconds_count", (route,))] >= 3
+
+
+def test_a_batch_larger_than_the_queue_runs_in_turns(busy) -> None:
+    dep, gw = busy  # one request runs, none may wait: the batch's prompts go one at a time
+    status, _, body = request(f"{gw.url}/v1/completions", completion(
+        prompt=["Once upon a time", "The dog", "Lily"], max_tokens=3, ignore_eos=True))
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["text"] for c in body["choices"])
+    assert body["usage"]["completion_tokens"] == 9
+    assert wait_until(lambda: dep.topology()["runs"] == 0)
