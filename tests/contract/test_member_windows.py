@@ -4,6 +4,7 @@ other members keep decoding, and it resumes with no token lost or repeated."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -77,7 +78,14 @@ def test_a_stream_that_stops_reading_holds_only_its_own_members(server: StageSer
     assert server.stub.Cancel(pb.CancelRequest(slot_id=1)).was_running
     server.stub.Finish(pb.FinishRequest(slot_id=2))
     server.stub.Reset(pb.ResetRequest(slot_id=2))
-    stalled.cancel()  # a broken stream frees its member: nobody will call Finish for it
+    deadline = time.monotonic() + 10.0  # the cancel lands although nobody reads the stream
+    while running(server) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert running(server) == 0
+    stalled.cancel()  # a broken stream leaves its ended member for Finish, as any stream
+    finished = server.stub.Finish(pb.FinishRequest(slot_id=1))
+    assert finished.finish_reason == pb.FINISH_REASON_CANCELLED
+    server.stub.Reset(pb.ResetRequest(slot_id=1))
     idle = server.wait_idle()
     assert idle["slots"] == 0 and idle["kv_pages_free"] == idle["kv_pages_total"]
 
