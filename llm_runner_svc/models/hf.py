@@ -141,6 +141,12 @@ class HfTokenizer(Tokenizer):
         self.eos_ids = eos_ids
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._add_bos = add_bos and bos_id is not None
+        self._special_ids = frozenset(i for i, added in tok.get_added_tokens_decoder().items()
+                                      if added.special)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return self._special_ids | super().special_ids
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids

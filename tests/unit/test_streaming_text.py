@@ -75,3 +75,22 @@ def test_chat_markers_give_no_text_on_smollm2():
     dec = StreamDecoder(tok, after_bos=False)
     pieces = [dec.push([t]) for t in ids] + [dec.flush()]
     assert "".join(pieces) == "Paris.\nuser\nThanks"
+
+
+def test_a_hugging_face_tokenizers_special_tokens_give_no_text():
+    from tokenizers import AddedToken, models, pre_tokenizers
+    from tokenizers import Tokenizer as RustTokenizer
+
+    from llm_runner_svc.models.hf import HfTokenizer
+
+    rust = RustTokenizer(models.WordLevel({"Paris": 0, "Rome": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    rust.pre_tokenizer = pre_tokenizers.Whitespace()
+    rust.add_special_tokens([AddedToken("<|im_end|>", special=True),
+                             AddedToken("<|im_start|>", special=True)])
+    rust.add_tokens([AddedToken("<tool>", special=False)])  # added, but text
+    tok = HfTokenizer(rust, bos_id=None, eos_ids=(3,), add_bos=False)
+    ids = rust.encode("Paris<|im_end|><|im_start|>Rome<tool>").ids
+    assert ids == [0, 3, 4, 1, 5]
+    dec = StreamDecoder(tok, after_bos=False)
+    text = "".join(dec.push([t]) for t in ids) + dec.flush()
+    assert text == tok.decode([0, 1, 5]) == "Paris Rome <tool>"
