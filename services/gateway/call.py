@@ -1,6 +1,7 @@
 """An OpenAI request body -> a `Call`: what one generation asks of the orchestrator.
 
-`parse_chat` and `parse_completion` take the decoded JSON body and raise `InvalidArgument`
+`parse_chat` and `parse_completions` (one Call per prompt of a batch; `parse_completion` for
+a single prompt) take the decoded JSON body and raise `InvalidArgument`
 (HTTP 400) naming the field (`param`) for anything malformed or not supported; they check
 temperature against OpenAI's [0, 2] but leave the ranges the stages own (top_p, top_k, the
 prompt's length) to the stage, which refuses them at Admit, and those reach the caller as 400

@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 
 from services.errors import InvalidArgument
-from services.gateway.call import BadField, Sampling, parse_chat, parse_completion
+from services.gateway.call import (
+    BadField,
+    Sampling,
+    parse_chat,
+    parse_completion,
+    parse_completions,
+)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 
@@ -163,3 +169,19 @@ def test_continuous_usage_stats_is_refused() -> None:
         parse_completion({"model": "m", "prompt": "x", "stream": True, "stream_options": {
             "include_usage": True, "continuous_usage_stats": True}})
     assert info.value.param == "stream_options"
+
+
+def test_a_list_of_prompts_is_one_call_each() -> None:
+    calls = parse_completions({"model": "m", "prompt": ["a", [1, 2], "b"], "max_tokens": 3,
+                               "temperature": 0})
+    assert [(c.text, c.token_ids) for c in calls] == [("a", None), (None, (1, 2)), ("b", None)]
+    assert all(c.sampling == Sampling(temperature=0.0, max_tokens=3) for c in calls)
+    assert len(parse_completions({"model": "m", "prompt": [[5]]})) == 1
+    for prompt, where in ((["a", 5], "prompt[1]"), (["a", []], "prompt[1]"),
+                          (["a", [1, -1]], "prompt[1]")):
+        with pytest.raises(BadField) as info:
+            parse_completions({"model": "m", "prompt": prompt})
+        assert info.value.param == "prompt" and where in info.value.message
+    with pytest.raises(BadField) as info:
+        parse_completions({"model": "m", "prompt": ["a", "b"], "stream": True})
+    assert info.value.param == "stream"
