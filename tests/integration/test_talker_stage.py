@@ -1,7 +1,8 @@
 """The C++ reference talker (clients/cpp, `talker_stage`) as a real process, fed by a fake
 thinker: a Python gRPC server implementing only Stage.Subscribe. Frames must equal the numpy
 reference of every hidden message's last row; seq gaps, cancels and illegal calls behave as
-the contract says; SIGTERM exits 0."""
+the contract says; a broken Step stream frees its running members while its ended ones wait
+for Finish; the slot TTL (--slot-ttl-s) frees slots nobody touches; SIGTERM exits 0."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import signal
 import subprocess
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import numpy as np
@@ -54,6 +56,7 @@ class FakeThinker(stage_pb2_grpc.StageServicer):
 
     def __init__(self) -> None:
         self.sent: dict[str, list[np.ndarray]] = {}
+        self.cancelled: set[str] = set()  # requests whose subscriber left before their end
 
     def Subscribe(self, request: pb.SubscribeRequest, context: grpc.ServicerContext
                   ) -> Iterator[pb.SubscribeEvent]:
@@ -62,6 +65,13 @@ class FakeThinker(stage_pb2_grpc.StageServicer):
         rng = np.random.default_rng(zlib.crc32(rid.encode()))
         is_slow = rid.startswith("slow")
         sent = self.sent.setdefault(rid, [])
+        is_done = False
+
+        def on_close() -> None:
+            if not is_done:
+                self.cancelled.add(rid)
+
+        context.add_callback(on_close)
         yield pb.SubscribeEvent(subscribed=pb.Subscribed())  # registered, as a stage does
         seq, pos = 0, 0
         for i, n in enumerate([5] + [1] * (200 if is_slow else DECODE_STEPS)):
@@ -81,6 +91,7 @@ class FakeThinker(stage_pb2_grpc.StageServicer):
                 time.sleep(0.05)
                 if not context.is_active():
                     return
+        is_done = True
         yield pb.SubscribeEvent(request_id=rid, seq=seq,
                                 end=pb.PortEnd(finish_reason=pb.FINISH_REASON_MAX_LENGTH))
 
@@ -199,7 +210,7 @@ def test_cancel_mid_stream(env: SimpleNamespace) -> None:
     env.stub.Reset(pb.ResetRequest(slot_id=3))
 
 
-def test_a_broken_step_stream_frees_its_members(env: SimpleNamespace) -> None:
+def test_a_broken_step_stream_frees_its_running_members(env: SimpleNamespace) -> None:
     admit_prepare(env, 5, "slow-2")
     stream = StepStream(env.stub, [5], 0)
     stream.next()
@@ -211,6 +222,130 @@ def test_a_broken_step_stream_frees_its_members(env: SimpleNamespace) -> None:
     with pytest.raises(grpc.RpcError) as err:
         env.stub.Finish(pb.FinishRequest(slot_id=5))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def stage_stats(stub: stage_pb2_grpc.StageStub) -> dict[str, Any]:
+    return MessageToDict(stub.Diagnostics(pb.DiagnosticsRequest(), timeout=10).values)
+
+
+def is_idle(stub: stage_pb2_grpc.StageStub) -> bool:
+    stats = stage_stats(stub)
+    return stats["slots"] == 0 and stats["cohorts"] == 0
+
+
+def wait_until(what: str, cond: Callable[[], bool], stub: stage_pb2_grpc.StageStub,
+               timeout: float = 30.0) -> None:
+    """Poll `cond`; on timeout, fail showing the stage-wide Diagnostics of `stub`."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {stage_stats(stub)}"
+        time.sleep(0.02)
+
+
+def test_finish_answers_every_member_of_a_stream_broken_after_their_ends(
+        env: SimpleNamespace) -> None:
+    # A client that read every member's end and then broke out of its Step stream still
+    # finishes them: the break must not race their Finish.
+    for i in range(50):
+        sids = [7000 + 3 * i + k for k in range(3)]
+        for sid in sids:
+            admit_prepare(env, sid, f"r-break-{sid}")
+        stream = StepStream(env.stub, sids, 16)
+        got = stream.collect(set(sids))
+        stream.cancel()
+        for sid in sids:
+            fin = env.stub.Finish(pb.FinishRequest(slot_id=sid), timeout=10)
+            assert fin.finish_reason == pb.FINISH_REASON_MAX_LENGTH, (i, sid)
+            sent = env.fake.sent[f"r-break-{sid}"]
+            assert list(fin.output_token_ids) == got[sid]["tokens"] == \
+                [codec_frame(s[-1]) for s in sent], (i, sid)
+            assert env.stub.Reset(pb.ResetRequest(slot_id=sid)).existed
+    wait_until("the talker to be idle", lambda: is_idle(env.stub), env.stub)
+
+
+def start_talker_with(*args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([str(talker_binary()), "--port", "0", *args],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    match = re.fullmatch(r"talker: listening on (127\.0\.0\.1:\d+)\n", line)
+    assert match, f"talker did not start: {line!r}"
+    return proc, match.group(1)
+
+
+@pytest.fixture()
+def short_ttl(env: SimpleNamespace) -> Iterator[SimpleNamespace]:
+    proc, endpoint = start_talker_with("--slot-ttl-s", "0.5")
+    channel = grpc.insecure_channel(endpoint)
+    yield SimpleNamespace(fake=env.fake, thinker=env.thinker,
+                          stub=stage_pb2_grpc.StageStub(channel))
+    channel.close()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
+
+
+def test_ended_members_of_a_broken_stream_nobody_finishes_expire(
+        short_ttl: SimpleNamespace) -> None:
+    sids = [1, 2, 3]
+    for sid in sids:
+        admit_prepare(short_ttl, sid, f"r-ttl-{sid}")
+    stream = StepStream(short_ttl.stub, sids, 16)
+    stream.collect(set(sids))
+    stream.cancel()
+    wait_until("the slots to expire", lambda: is_idle(short_ttl.stub), short_ttl.stub)
+    for sid in sids:
+        for call, req in ((short_ttl.stub.Finish, pb.FinishRequest(slot_id=sid)),
+                          (short_ttl.stub.Diagnostics, pb.DiagnosticsRequest(slot_id=sid))):
+            with pytest.raises(grpc.RpcError) as err:
+                call(req)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_untouched_slots_expire_in_every_state_but_a_live_run(
+        short_ttl: SimpleNamespace) -> None:
+    stub = short_ttl.stub
+    stub.Admit(pb.AdmitRequest(slot_id=10, request=pb.GenerationRequest(text="x")))
+    admit_prepare(short_ttl, 11, "slow-ttl-prepared")
+    stub.Admit(pb.AdmitRequest(slot_id=12, request=pb.GenerationRequest(text="x")))
+    stub.Finish(pb.FinishRequest(slot_id=12))
+    admit_prepare(short_ttl, 13, "slow-ttl-running")
+    stream = StepStream(stub, [13], 0)
+    started = time.monotonic()
+    wait_until("the idle slots to expire",
+               lambda: stage_stats(stub)["slots_by_state"] == {
+                   "ADMITTED": 0, "PREPARED": 0, "RUNNING": 1, "FINISHED": 0}, stub)
+    wait_until("the expired slot's subscription to be cancelled",
+               lambda: "slow-ttl-prepared" in short_ttl.fake.cancelled, stub)
+    # The running member outlives the TTL several times over while it streams.
+    frames = 0
+    while time.monotonic() - started < 4 * 0.5:
+        ev = stream.next()
+        stream.send(credits=1)
+        assert [m.status for m in ev.members] == [pb.MEMBER_STATUS_RUNNING]
+        frames += len(ev.members[0].token_ids)
+    assert stage_stats(stub)["slots_by_state"]["RUNNING"] == 1
+    fin = stub.Finish(pb.FinishRequest(slot_id=13), timeout=30)
+    assert fin.finish_reason == pb.FINISH_REASON_CANCELLED and len(fin.output_token_ids) >= frames
+    assert stub.Reset(pb.ResetRequest(slot_id=13)).existed
+    stream.cancel()
+    for sid in (10, 11, 12):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Diagnostics(pb.DiagnosticsRequest(slot_id=sid))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "x", ""])
+def test_a_bad_slot_ttl_is_a_usage_error(value: str) -> None:
+    res = subprocess.run([str(talker_binary()), f"--slot-ttl-s={value}"], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2 and res.stdout == "", res
+    assert "--slot-ttl-s must be a positive number of seconds" in res.stderr, res.stderr
+
+
+def test_help_documents_the_slot_ttl() -> None:
+    res = subprocess.run([str(talker_binary()), "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0 and "--slot-ttl-s" in res.stdout and "600" in res.stdout
 
 
 def test_illegal_calls(env: SimpleNamespace) -> None:

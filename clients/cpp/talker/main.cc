@@ -1,6 +1,6 @@
 // talker_stage: the reference talker stage service (see README.md).
 //
-//   talker_stage [--host 127.0.0.1] [--port 0] [--stage-id talker]
+//   talker_stage [--host 127.0.0.1] [--port 0] [--stage-id talker] [--slot-ttl-s 600]
 //   talker_stage --version
 //
 // Prints "talker: listening on HOST:PORT" (the real port) as its first stdout line, serves
@@ -10,6 +10,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -31,15 +32,18 @@
 namespace {
 
 constexpr char kUsage[] =
-    "usage: talker_stage [--host 127.0.0.1] [--port 0] [--stage-id talker]\n"
+    "usage: talker_stage [--host 127.0.0.1] [--port 0] [--stage-id talker] [--slot-ttl-s 600]\n"
     "       talker_stage --version\n"
     "  A reference talker stage (llmstage.v1.Stage): for wiring and tests, not a speech model.\n"
-    "  --port 0 picks a free port; the first stdout line says which.\n";
+    "  --port 0 picks a free port; the first stdout line says which.\n"
+    "  --slot-ttl-s S: drop slots nobody touched for S seconds (default 600), in any state\n"
+    "  but a run still running; an unstarted one ends cancelled.\n";
 
 struct Options {
   std::string host = "127.0.0.1";
   int port = 0;
   std::string stage_id = "talker";
+  double slot_ttl_s = talker::kDefaultSlotTtlS;
 };
 
 [[noreturn]] void UsageError(const std::string& message) {
@@ -64,7 +68,8 @@ Options ParseArgs(int argc, char** argv) {
     if (arg.rfind("--", 0) == 0 && eq != std::string::npos) {
       value = arg.substr(eq + 1);
       arg = arg.substr(0, eq);
-    } else if (arg == "--host" || arg == "--port" || arg == "--stage-id") {
+    } else if (arg == "--host" || arg == "--port" || arg == "--stage-id" ||
+               arg == "--slot-ttl-s") {
       if (i + 1 >= argc) UsageError(arg + " needs a value");
       value = argv[++i];
     } else {
@@ -83,6 +88,13 @@ Options ParseArgs(int argc, char** argv) {
     } else if (arg == "--stage-id") {
       if (value.empty()) UsageError("--stage-id is empty");
       opts.stage_id = value;
+    } else if (arg == "--slot-ttl-s") {
+      char* end = nullptr;
+      const double ttl = std::strtod(value.c_str(), &end);
+      if (value.empty() || *end != '\0' || !std::isfinite(ttl) || ttl <= 0) {
+        UsageError("--slot-ttl-s must be a positive number of seconds, got " + value);
+      }
+      opts.slot_ttl_s = ttl;
     } else {
       UsageError("unknown argument " + arg);
     }
@@ -107,7 +119,7 @@ int main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 
-  talker::TalkerStage stage(opts.stage_id);
+  talker::TalkerStage stage(opts.stage_id, opts.slot_ttl_s);
   const bool is_ipv6 = opts.host.find(':') != std::string::npos && opts.host.front() != '[';
   const std::string host = is_ipv6 ? "[" + opts.host + "]" : opts.host;
   int port = 0;

@@ -27,6 +27,14 @@ constexpr std::array<Rule, 7> kTable = {{
     {SlotCall::kReset, {true, true, false, true, true, false, false, true}},
 }};
 
+// What happens to a slot nobody drives, by SubState (the kit's TRANSITIONS[ORPHAN] and
+// TRANSITIONS[EXPIRE], less ORPHANED).
+//  ADMITTED PREPARED RUNNING ADMITTED_ENDED PREPARED_ENDED ENDED FINISHING FINISHED
+constexpr std::array<bool, kNumSubStates> kOrphanedByBreak = {
+    false, false, true, false, false, false, false, false};
+constexpr std::array<bool, kNumSubStates> kMayExpire = {
+    true, true, false, true, true, true, false, true};
+
 constexpr bool IsIndexedByCall() {
   for (size_t i = 0; i < kTable.size(); ++i) {
     if (static_cast<size_t>(kTable[i].call) != i) return false;
@@ -71,6 +79,20 @@ const char* CallName(SlotCall call) {
   return "?";
 }
 
+const char* SubStateName(SubState sub) {
+  switch (sub) {
+    case SubState::kAdmitted: return "ADMITTED";
+    case SubState::kPrepared: return "PREPARED";
+    case SubState::kRunning: return "RUNNING";
+    case SubState::kAdmittedEnded: return "ADMITTED_ENDED";
+    case SubState::kPreparedEnded: return "PREPARED_ENDED";
+    case SubState::kEnded: return "ENDED";
+    case SubState::kFinishing: return "FINISHING";
+    case SubState::kFinished: return "FINISHED";
+  }
+  return "?";
+}
+
 SubState SubStateOf(const SlotView& slot) {
   if (slot.state == SlotState::kFinished) return SubState::kFinished;
   if (slot.is_finishing) return SubState::kFinishing;
@@ -87,6 +109,10 @@ SubState SubStateOf(const SlotView& slot) {
 bool IsAllowed(SlotCall call, SubState sub) {
   return RuleOf(call).allowed[static_cast<size_t>(sub)];
 }
+
+bool IsOrphanedByBreak(SubState sub) { return kOrphanedByBreak[static_cast<size_t>(sub)]; }
+
+bool MayExpire(SubState sub) { return kMayExpire[static_cast<size_t>(sub)]; }
 
 std::string AllowedCalls(SubState sub) {
   std::string out;

@@ -11,8 +11,15 @@
 // whether a Finish is waiting for the run to stop. Together they give the sub-state that
 // decides legality, as the kit's: a run that ended before Finish (a cancelled ADMITTED or
 // PREPARED slot, a RUNNING member whose end was delivered) refuses Prepare and Step; a slot
-// being finished allows only Cancel. The talker has no orphaned sub-state: a member of a Step
-// stream that breaks is finished and dropped at once.
+// being finished allows only Cancel.
+//
+// Besides the calls, the table says what happens to a slot nobody drives, as the kit's
+// TRANSITIONS do. A Step stream that breaks orphans only its members still RUNNING: they are
+// cancelled and their end frees them (the kit's ORPHANED sub-state; the talker's run ends at
+// once, so it lasts no time here). A member whose run ended (ENDED) waits for Finish however
+// its stream ends: a client may break the stream once it has read every end. The slot TTL
+// frees a slot nobody touched for that long in any sub-state but a live run (RUNNING,
+// FINISHING); that is the backstop for a caller that never calls Finish or Reset.
 //
 // Nothing here locks or touches a slot: callers pass a SlotView taken under their lock.
 #pragma once
@@ -44,6 +51,7 @@ enum class SubState {
 
 const char* StateName(SlotState state);  // "ADMITTED", ...
 const char* CallName(SlotCall call);     // "Admit", ...
+const char* SubStateName(SubState sub);  // "ADMITTED_ENDED", ... (as the kit's SlotState)
 
 // What the table needs to know of an existing slot.
 struct SlotView {
@@ -60,6 +68,15 @@ bool IsAllowed(SlotCall call, SubState sub);
 
 // The calls allowed in `sub`, in table order, comma-separated ("Cancel, Finish").
 std::string AllowedCalls(SubState sub);
+
+// Whether a broken Step stream orphans a member in `sub` (the kit's ORPHAN move): cancels it
+// and frees it at its end. Only RUNNING; an ENDED member waits for Finish, and one being
+// finished is its Finish's.
+bool IsOrphanedByBreak(SubState sub);
+
+// Whether the slot TTL may free a slot in `sub` nobody touched for that long (the kit's
+// EXPIRE move): every sub-state but a live run (RUNNING, FINISHING).
+bool MayExpire(SubState sub);
 
 // INVALID_ARGUMENT for a negative slot id, else OK.
 grpc::Status CheckSlotId(int64_t slot_id);

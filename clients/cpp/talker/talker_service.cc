@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <stdexcept>
 #include <thread>
 #include <utility>
@@ -20,6 +21,8 @@ Status InvalidArgument(const std::string& message) {
 }
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 const char* CodeName(StatusCode code) {
   switch (code) {
@@ -122,7 +125,24 @@ std::string ReasonName(v1::FinishReason reason) {
   return name;
 }
 
-TalkerStage::TalkerStage(std::string stage_id) : stage_id_(std::move(stage_id)) {}
+namespace {
+
+// What the slot table needs to know of a slot.
+SlotView ViewOf(const Slot& slot) {
+  SlotView view;
+  view.state = slot.state;
+  view.is_ended = slot.ended.has_value();
+  if (slot.ended) view.ended_reason = ReasonName(slot.ended->reason);
+  view.is_finishing = slot.is_finishing;
+  return view;
+}
+
+}  // namespace
+
+TalkerStage::TalkerStage(std::string stage_id, double slot_ttl_s)
+    : stage_id_(std::move(stage_id)), slot_ttl_s_(slot_ttl_s) {
+  reaper_ = std::thread([this] { ReapIdle(); });
+}
 
 TalkerStage::~TalkerStage() { Close(); }
 
@@ -138,12 +158,49 @@ void TalkerStage::Close() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     is_shutting_down_ = true;
+    is_closed_ = true;
+    reaper_cv_.notify_all();
     for (auto& [id, slot] : slots_) StopSubscription(*slot, &graveyard);
     slots_.clear();
     cohorts_.clear();
     ended_cv_.notify_all();
   }
+  if (reaper_.joinable()) reaper_.join();
   graveyard.clear();  // joins the subscription threads, outside the lock
+}
+
+// The kit's _reap_idle: a slot nobody touched for slot_ttl_s (a caller that vanished between
+// calls, or one that never finishes the ended members of a stream it broke) is dropped, in any
+// state but a live run; an unstarted one ends cancelled first.
+void TalkerStage::ReapIdle() {
+  const std::chrono::duration<double> period(std::clamp(slot_ttl_s_ / 4, 0.05, 3600.0));
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!is_closed_) {
+    reaper_cv_.wait_for(lock, period);
+    if (is_closed_) break;
+    const Clock::time_point now = Clock::now();
+    std::vector<std::shared_ptr<Slot>> idle;
+    for (const auto& [id, slot] : slots_) {
+      if (Seconds(now - slot->touched_at) > slot_ttl_s_ && MayExpire(SubStateOf(ViewOf(*slot)))) {
+        idle.push_back(slot);
+      }
+    }
+    if (idle.empty()) continue;
+    Graveyard graveyard;
+    for (const auto& slot : idle) {
+      const SubState sub = SubStateOf(ViewOf(*slot));
+      std::fprintf(stderr, "talker: slot %lld idle for %g s in %s; dropped\n",
+                   static_cast<long long>(slot->slot_id), slot_ttl_s_, SubStateName(sub));
+      if (sub == SubState::kAdmitted || sub == SubState::kPrepared) {
+        slot->ended = RunEnd{v1::FINISH_REASON_CANCELLED, ""};
+      }
+      Forget(slot, &graveyard);
+    }
+    ended_cv_.notify_all();
+    lock.unlock();
+    graveyard.clear();  // joins the subscription threads, outside the lock
+    lock.lock();
+  }
 }
 
 // ---- helpers (mu_ held) -------------------------------------------------------------------------
@@ -151,15 +208,24 @@ void TalkerStage::Close() {
 Status TalkerStage::Require(int64_t slot_id, SlotCall call, std::shared_ptr<Slot>* out) {
   auto it = slots_.find(slot_id);
   if (it == slots_.end()) return CheckCall(call, slot_id, nullptr);
-  const Slot& slot = *it->second;
-  SlotView view;
-  view.state = slot.state;
-  view.is_ended = slot.ended.has_value();
-  if (slot.ended) view.ended_reason = ReasonName(slot.ended->reason);
-  view.is_finishing = slot.is_finishing;
+  const SlotView view = ViewOf(*it->second);
   Status st = CheckCall(call, slot_id, &view);
-  if (st.ok()) *out = it->second;
+  if (st.ok()) {
+    it->second->touched_at = Clock::now();
+    *out = it->second;
+  }
   return st;
+}
+
+void TalkerStage::Forget(const std::shared_ptr<Slot>& slot, Graveyard* graveyard) {
+  StopSubscription(*slot, graveyard);
+  auto it = slots_.find(slot->slot_id);
+  if (it != slots_.end() && it->second == slot) slots_.erase(it);
+  // A Step stream lives for many requests: it must not keep the slots it served.
+  if (auto cohort = slot->cohort.lock()) {
+    auto& joined = cohort->joined;
+    joined.erase(std::remove(joined.begin(), joined.end(), slot), joined.end());
+  }
 }
 
 void TalkerStage::StopSubscription(Slot& slot, Graveyard* graveyard) {
@@ -276,6 +342,7 @@ Status TalkerStage::Admit(grpc::ServerContext* context, const v1::AdmitRequest* 
                          ? "slot-" + std::to_string(req->slot_id())
                          : req->request().request_id();
   slot->admitted_at = Clock::now();
+  slot->touched_at = slot->admitted_at;
   slot->admit_traceparent = TraceparentOf(context);
   slot->request_traceparent = req->traceparent();
   slots_[slot->slot_id] = slot;
@@ -539,19 +606,27 @@ void TalkerStage::ReadControls(grpc::ServerReaderWriter<v1::StepEvent, v1::StepR
   cohort->cv.notify_all();
 }
 
-// The stream is over. After a clean end its members await Finish as usual; after a break
-// nobody will call Finish, so members still running are cancelled, and every member is
-// finished and freed here.
+// The stream is over. Members whose run ended (ENDED) await Finish however it ended: a client
+// may break its stream once it has read every end and still call Finish. After a break
+// (disconnect, deadline, error) members still running are orphaned: cancelled, and freed as
+// their run ends, which for the talker is here. A member whose Finish is waiting ends here and
+// is that Finish's to finish. An ended member nobody finishes is the slot TTL's.
 void TalkerStage::CloseCohort(const std::shared_ptr<Cohort>& cohort, bool is_broken,
                               Graveyard* graveyard) {
   cohorts_.erase(cohort);
   if (is_broken) {
     for (const auto& slot : cohort->joined) {
       auto it = slots_.find(slot->slot_id);
-      if (it == slots_.end() || it->second != slot || slot->state != SlotState::kRunning) continue;
-      if (!slot->ended) slot->ended = RunEnd{v1::FINISH_REASON_CANCELLED, ""};
-      FinishSlot(*slot, graveyard);
-      slots_.erase(it);
+      if (it == slots_.end() || it->second != slot) continue;
+      const SubState sub = SubStateOf(ViewOf(*slot));
+      if (sub == SubState::kFinishing) {
+        if (!slot->ended) slot->ended = RunEnd{v1::FINISH_REASON_CANCELLED, ""};
+        StopSubscription(*slot, graveyard);
+      } else if (IsOrphanedByBreak(sub)) {
+        slot->ended = RunEnd{v1::FINISH_REASON_CANCELLED, ""};
+        StopSubscription(*slot, graveyard);
+        slots_.erase(it);
+      }
     }
     ended_cv_.notify_all();
   }
@@ -711,8 +786,7 @@ Status TalkerStage::Reset(grpc::ServerContext*, const v1::ResetRequest* req,
     if (!st.ok()) return st;
     out->set_existed(slot != nullptr);
     if (!slot) return Status::OK;  // an unknown slot: nothing to drop
-    StopSubscription(*slot, &graveyard);
-    slots_.erase(req->slot_id());
+    Forget(slot, &graveyard);
   }
   graveyard.clear();
   return Status::OK;

@@ -6,9 +6,13 @@
 // arrives; a Step stream turns each hidden message into one frame code and streams them, one
 // StepEvent per round, under the stream's credit window.
 //
+// A slot nobody touched (no call named it) for the slot TTL is dropped, in any state but a
+// live run (slot_machine.h, MayExpire); an unstarted one ends cancelled first.
+//
 // Threads: gRPC handler threads, one reader thread per Step stream, one thread per
-// subscription. Every piece of slot and cohort state is guarded by one mutex (`mu_`); nothing
-// blocks while holding it (writes, joins and projections happen outside it).
+// subscription, the slot TTL's reaper. Every piece of slot and cohort state is guarded by one
+// mutex (`mu_`); nothing blocks while holding it (writes, joins and projections happen outside
+// it).
 #pragma once
 
 #include <chrono>
@@ -20,6 +24,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -40,6 +45,8 @@ constexpr int kMaxWindow = 1024;
 constexpr size_t kMaxPendingRefusals = 1024;
 // Largest hidden size served: its projection takes kMaxHidden * 2048 * 4 bytes (128 MiB).
 constexpr int64_t kMaxHidden = 16384;
+// How long a slot nobody touches lives (--slot-ttl-s), as the Python stage's default.
+constexpr double kDefaultSlotTtlS = 600.0;
 
 struct RunEnd {
   v1::FinishReason reason = v1::FINISH_REASON_UNSPECIFIED;
@@ -82,6 +89,7 @@ struct Slot {
   std::weak_ptr<Cohort> cohort;
   int64_t rounds = 0;  // StepEvents this member took part in
   Clock::time_point admitted_at, joined_at, first_frame_at, last_frame_at;
+  Clock::time_point touched_at;  // Admit, or the last call that named it and was allowed
   google::protobuf::Struct diagnostics;  // built by Finish
 };
 
@@ -99,12 +107,14 @@ struct Cohort {
 
 class TalkerStage final : public v1::Stage::Service {
  public:
-  explicit TalkerStage(std::string stage_id);
+  // `slot_ttl_s` (> 0): how long a slot nobody touches lives; its reaper starts here.
+  explicit TalkerStage(std::string stage_id, double slot_ttl_s = kDefaultSlotTtlS);
   ~TalkerStage() override;
 
   // Ends every Step stream (their members are cancelled) and refuses new work.
   void BeginShutdown();
-  // Stops every subscription and drops every slot. Call after the server has shut down.
+  // Stops the reaper and every subscription and drops every slot. Call after the server has
+  // shut down. Idempotent.
   void Close();
 
   grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*,
@@ -130,8 +140,13 @@ class TalkerStage final : public v1::Stage::Service {
   using Graveyard = std::vector<std::shared_ptr<llmstage::HiddenSubscriber>>;
 
   // CheckCall (slot_machine.h) on the slot `slot_id`; when OK, `*out` is the slot (null when
-  // there is none: Admit, or a Reset of an unknown slot). Requires mu_.
+  // there is none: Admit, or a Reset of an unknown slot), now touched. Requires mu_.
   grpc::Status Require(int64_t slot_id, SlotCall call, std::shared_ptr<Slot>* out);
+  // Drops the slot: its subscription stopped, and no index (slots_, its Step stream's) keeps
+  // it. Requires mu_.
+  void Forget(const std::shared_ptr<Slot>& slot, Graveyard* graveyard);
+  // The reaper thread: every slot_ttl_s / 4, drops the slots idle for slot_ttl_s.
+  void ReapIdle();
   void Enter(const std::shared_ptr<Cohort>& cohort, const std::shared_ptr<Slot>& slot);
   bool BuildEvent(Cohort& cohort, v1::StepEvent* event);
   void CloseCohort(const std::shared_ptr<Cohort>& cohort, bool is_broken, Graveyard* graveyard);
@@ -145,6 +160,7 @@ class TalkerStage final : public v1::Stage::Service {
   std::shared_ptr<grpc::Channel> ChannelTo(const std::string& endpoint);
 
   const std::string stage_id_;
+  const double slot_ttl_s_;
   ProjectionCache projections_;
   std::mutex mu_;
   std::condition_variable ended_cv_;  // a slot's run ended
@@ -155,6 +171,9 @@ class TalkerStage final : public v1::Stage::Service {
   int64_t num_frames_ = 0;
   int64_t num_hidden_messages_ = 0;
   bool is_shutting_down_ = false;
+  bool is_closed_ = false;
+  std::condition_variable reaper_cv_;  // Close wakes the reaper
+  std::thread reaper_;                 // last: starts once everything above is built
 };
 
 std::string ReasonName(v1::FinishReason reason);  // "max_length", ...
