@@ -86,7 +86,7 @@ async def serve(config: GatewayConfig, metrics_port: int | None = None) -> None:
     if metrics_port is not None:
         _, bound = serve_metrics(handle.metrics.registry, config.host, metrics_port)
         metrics_line = f", metrics on {config.host}:{bound}"
-    print(f"llm-stage: gateway listening on http://{config.host}:{handle.port} (OpenAI API; "
+    print(f"gateway listening on http://{config.host}:{handle.port} (OpenAI API; "
           f"orchestrator {config.orchestrator}){metrics_line}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
