@@ -241,19 +241,21 @@ def test_cli_generate(orch: tuple[FakeOrchestrator, str], capsys: pytest.Capture
 
 
 class _Exec(Exception):
-    """Raised in place of os.execv, with what it was asked to run."""
+    """Raised in place of os.execve, with what it was asked to run."""
 
 
-def _fake_execv(path: str, argv: list[str]) -> None:
-    raise _Exec(path, argv)
+def _fake_execve(path: str, argv: list[str], env: dict[str, str]) -> None:
+    raise _Exec(path, argv, env)
 
 
 def test_up_hands_every_argument_to_llm_runner_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(os, "execv", _fake_execv)
+    monkeypatch.setattr(os, "execve", _fake_execve)
     with pytest.raises(_Exec) as info:
         main(["up", "--topology", "t.json", "--port", "0", "--help"])
-    assert info.value.args == (sys.executable, [sys.executable, "-m", "llm_runner_svc", "up",
-                                                "--topology", "t.json", "--port", "0", "--help"])
+    path, argv, env = info.value.args
+    assert (path, argv) == (sys.executable, [sys.executable, "-m", "llm_runner_svc", "up",
+                                             "--topology", "t.json", "--port", "0", "--help"])
+    assert env["LLM_RUNNER_PROG"] == "llm-stage"  # its usage and messages name llm-stage
 
 
 def test_up_without_the_server_package_says_what_to_install(
@@ -261,7 +263,7 @@ def test_up_without_the_server_package_says_what_to_install(
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == cli.SERVER_PACKAGE else real(name, *a))
-    monkeypatch.setattr(os, "execv", _fake_execv)
+    monkeypatch.setattr(os, "execve", _fake_execve)
     assert main(["up", "--port", "0"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "Traceback" not in err
