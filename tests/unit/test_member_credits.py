@@ -192,15 +192,23 @@ class FakeReplica:
         self.grants.append(consumed)
 
 
+async def _joined_run(replica: FakeReplica) -> tuple[Any, asyncio.Future[Any]]:
+    """A request's events over `replica` (slot 7), its first event asked for and the request
+    joined (Admit and Prepare run on fake calls)."""
+    run = RequestRun("r", pb.GenerationRequest(text="Hi"), Route(("llm",), ("llm:text",)),
+                     [Placement("llm", replica, 7)], None)
+    events = run.events()
+    first = asyncio.ensure_future(anext(events))
+    while replica.sink is None:
+        await asyncio.sleep(0)
+    return events, first
+
+
 def test_a_read_hands_back_its_credits_when_the_caller_asks_for_more() -> None:
     async def scenario() -> None:
         replica = FakeReplica()
-        run = RequestRun("r", pb.GenerationRequest(text="Hi"), Route(("llm",), ("llm:text",)),
-                         [Placement("llm", replica, 7)], None)
-        events = run.events()
-        first = asyncio.ensure_future(anext(events))
-        while replica.sink is None:  # Admit and Prepare run on fake calls
-            await asyncio.sleep(0)
+        events, first = await _joined_run(replica)
+        assert replica.sink is not None
         for i in range(3):
             replica.sink.put(("llm", pb.MemberUpdate(slot_id=7, status=RUNNING,
                                                      token_ids=[i], text="x")))
@@ -223,23 +231,19 @@ def test_a_read_hands_back_its_credits_when_the_caller_asks_for_more() -> None:
 def test_a_relay_that_falls_behind_gathers_updates_into_fewer_deltas() -> None:
     async def scenario() -> None:
         replica = FakeReplica()
-        run = RequestRun("r", pb.GenerationRequest(text="Hi"), Route(("llm",), ("llm:text",)),
-                         [Placement("llm", replica, 7)], None)
-        events = run.events()
-        first = asyncio.ensure_future(anext(events))
-        while replica.sink is None:
-            await asyncio.sleep(0)
+        events, first = await _joined_run(replica)
         sink = replica.sink
+        assert sink is not None
 
         def put(i: int) -> None:
             sink.put(("llm", pb.MemberUpdate(slot_id=7, status=RUNNING, token_ids=[i])))
         put(0)
-        assert (await first).token_ids == [0]  # type: ignore[union-attr]
+        assert (await first).token_ids == [0]
         # an update taken as soon as it came: a delta of its own
         nxt = asyncio.ensure_future(anext(events))
         await asyncio.sleep(0)
         put(1)
-        assert (await nxt).token_ids == [1]  # type: ignore[union-attr]
+        assert (await nxt).token_ids == [1]
         # an update that waited while the loop was busy: the run waits as long again and
         # sends what came meanwhile with it
         put(2)
@@ -250,6 +254,6 @@ def test_a_relay_that_falls_behind_gathers_updates_into_fewer_deltas() -> None:
         assert not nxt.done()
         put(3)
         put(4)
-        assert (await nxt).token_ids == [2, 3, 4]  # type: ignore[union-attr]
+        assert (await nxt).token_ids == [2, 3, 4]
 
     asyncio.run(scenario())
