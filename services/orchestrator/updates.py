@@ -10,6 +10,7 @@ taken since the run last handed credits back (`take_consumed`).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter, deque
 
 from services.contract.llmstage.v1 import stage_pb2 as pb
@@ -35,8 +36,9 @@ class UpdateBuffer:
         self._waiting: Counter[str] = Counter()  # credit-spending updates not taken, by stage
         self._consumed: Counter[str] = Counter()  # ... taken since the last take_consumed
         self._ready = asyncio.Event()
-        # Loop time since the item at the head has waited (the buffer's last change of head
-        # when it holds several: a lower bound), and how long the item last taken waited.
+        # Since when (monotonic clock, as the event loop's) the item at the head has waited
+        # (the last change of head when several wait: a lower bound), and how long the item
+        # last taken waited.
         self._head_since = 0.0
         self.head_wait_s = 0.0
 
@@ -49,7 +51,7 @@ class UpdateBuffer:
 
     def put(self, item: Item) -> None:
         if not self._items:
-            self._head_since = asyncio.get_running_loop().time()
+            self._head_since = time.monotonic()
         self._items.append(item)
         if spends_credit(item[1]):
             self._waiting[item[0]] += 1
@@ -62,7 +64,7 @@ class UpdateBuffer:
     def take(self) -> Item:
         """Remove and return the next item (there must be one)."""
         item = self._items.popleft()
-        now = asyncio.get_running_loop().time()
+        now = time.monotonic()
         self.head_wait_s, self._head_since = now - self._head_since, now
         if spends_credit(item[1]):
             self._waiting[item[0]] -= 1
