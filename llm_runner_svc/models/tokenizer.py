@@ -49,15 +49,7 @@ class StreamDecoder:
         self._read = 0
         self._after_bos = after_bos
         self._special = tokenizer.special_ids
-        self._parts: list[str] = []  # the deltas so far (one string grown per token is
-        # quadratic in the output's length)
-
-    @property
-    def text(self) -> str:
-        """Every delta so far, joined."""
-        if len(self._parts) > 1:
-            self._parts[:] = ["".join(self._parts)]
-        return self._parts[0] if self._parts else ""
+        self.text = ""
 
     def push(self, new_ids: Sequence[int]) -> str:
         """Append ids; return the text they complete (may be empty)."""
@@ -73,7 +65,7 @@ class StreamDecoder:
         self._read = len(self._ids)
         if self._prefix > 0:
             self._after_bos = False
-        self._parts.append(delta)
+        self.text += delta
         return delta
 
     def flush(self) -> str:
@@ -83,5 +75,5 @@ class StreamDecoder:
         new = self._tok.decode(self._ids[self._prefix:], after_bos)
         delta = new[len(old):] if new.startswith(old) else ""
         self._prefix = self._read = len(self._ids)
-        self._parts.append(delta)
+        self.text += delta
         return delta
