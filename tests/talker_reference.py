@@ -68,10 +68,11 @@ def talker_binary() -> Path:
     return binary
 
 
-def start_talker(port: int = 0) -> tuple[subprocess.Popen, str]:
-    """The talker as a process on `port` (0: picked by the OS): (process, "127.0.0.1:port")."""
-    proc = subprocess.Popen([str(talker_binary()), "--port", str(port), "--stage-id", "talker"],
-                            stdout=subprocess.PIPE, text=True)
+def start_talker(port: int = 0, *args: str) -> tuple[subprocess.Popen, str]:
+    """The talker as a process on `port` (0: picked by the OS), with more command-line `args`:
+    (process, "127.0.0.1:port")."""
+    proc = subprocess.Popen([str(talker_binary()), "--port", str(port), "--stage-id", "talker",
+                             *args], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     match = re.fullmatch(r"talker: listening on (127\.0\.0\.1:\d+)\n", line)

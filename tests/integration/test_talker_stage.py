@@ -263,19 +263,9 @@ def test_finish_answers_every_member_of_a_stream_broken_after_their_ends(
     wait_until("the talker to be idle", lambda: is_idle(env.stub), env.stub)
 
 
-def start_talker_with(*args: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([str(talker_binary()), "--port", "0", *args],
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    match = re.fullmatch(r"talker: listening on (127\.0\.0\.1:\d+)\n", line)
-    assert match, f"talker did not start: {line!r}"
-    return proc, match.group(1)
-
-
 @pytest.fixture()
 def short_ttl(env: SimpleNamespace) -> Iterator[SimpleNamespace]:
-    proc, endpoint = start_talker_with("--slot-ttl-s", "0.5")
+    proc, endpoint = start_talker(0, "--slot-ttl-s", "0.5")
     channel = grpc.insecure_channel(endpoint)
     yield SimpleNamespace(fake=env.fake, thinker=env.thinker,
                           stub=stage_pb2_grpc.StageStub(channel))
