@@ -16,12 +16,53 @@ Pure Python: the runtime builds batches without a tensor library.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 GREEDY_TEMPERATURE = 1e-3
 MAX_VERIFY = 16  # proposed tokens one verify row may hold
+MAX_LOGPROBS = 20  # top alternatives a log-probability may list
+
+
+class TokenMask(ABC):
+    """Which tokens one pick may take (structured output). The engine asks for the bits when
+    it samples, after it has started the step's forward, so a device engine computes them on
+    the host while the device runs."""
+
+    @staticmethod
+    @abstractmethod
+    def fill(masks: Sequence[TokenMask], out: Any) -> None:
+        """Write the allowed tokens of masks[i] into out[i]: out is an int32 array
+        [len(masks), ceil(vocab / 32)], bit j of word w set when token 32 * w + j is allowed
+        (words past the vocabulary and tokens past the tokenizer's are zero: not allowed).
+        All masks are of the class `fill` is called on."""
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """The repetition penalties of one pick (vLLM's and OpenAI's rules): `presence` is taken
+    off the logit of every token in `counts`, `frequency` times its count; a token in
+    `counts` or `seen` has a positive logit divided by `repetition`, a negative one
+    multiplied by it. `counts` (the output's tokens and how often each came) and `seen` (the
+    prompt's tokens) are the request's live collections: read while the step is launched."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    counts: Mapping[int, int] = field(default_factory=dict)
+    seen: Collection[int] = ()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability where it was produced (log-softmax of the model's logits
+    there, before any processing) and the `top` likeliest tokens there, likeliest first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -36,11 +77,22 @@ class SampleSpec:
     uniform: float = 0.0
     logit_bias: Mapping[int, float] | None = None
     accept_uniform: float = 0.0
+    min_p: float = 0.0  # drop tokens below min_p times the likeliest one's probability
+    penalties: Penalties | None = None
+    mask: TokenMask | None = None  # the tokens the pick may take (None: any)
+    logprobs: int = -1  # -1: none; 0: the pick's log-probability; k: and the top k
     is_greedy: bool = field(init=False, repr=False, compare=False)  # read on every step
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "is_greedy",
                            self.temperature < GREEDY_TEMPERATURE or self.top_k == 1)
+
+    @property
+    def is_plain(self) -> bool:
+        """Nothing but the logits decides the pick (no bias, penalty, mask or min_p) and no
+        log-probability is asked for."""
+        return not (self.logit_bias or self.penalties or self.mask or self.min_p
+                    or self.logprobs >= 0)
 
 
 @dataclass(frozen=True)
@@ -91,6 +143,9 @@ class Row:
     embeds: Sequence[EmbedSpan] = ()  # input embeddings replacing the tokens' own
     verify_samples: tuple[SampleSpec, ...] = ()  # sampled verify rows: the spec of each of
     # those K picks (the one after the last position is `sample`); empty = greedy
+    score: tuple[int, ...] = ()  # prompt log-probabilities: score[i] is the token that
+    # follows position start + i; the engine returns its log-probability there
+    score_top: int = 0  # and the top alternatives at each scored position
 
     @property
     def length(self) -> int:
@@ -122,6 +177,8 @@ class StepOutput:
     hidden: Sequence[HiddenStates | None]
     verified: Sequence[Sequence[int] | None] = ()  # per row with `verify` = K: the picks
     # after positions end-1-K .. end-2 (K of them; the pick after end-1 is in `picks`)
+    logprobs: Sequence[TokenLogprob | None] = ()  # per row whose spec asked: its pick's
+    scores: Sequence[Sequence[TokenLogprob] | None] = ()  # per row with `score`: one each
 
 
 @dataclass

@@ -9,9 +9,10 @@ from enum import StrEnum
 from typing import Any
 
 from llm_runner_svc.engines.base import HiddenStates, SampleSpec
-from llm_runner_svc.engines.batch import EmbedSpan
+from llm_runner_svc.engines.batch import EmbedSpan, TokenLogprob
 from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.models.tokenizer import StreamDecoder
+from llm_runner_svc.runtime.constraint import Constraint
 from llm_runner_svc.runtime.prefix_cache import Key
 from llm_runner_svc.runtime.sampling import SamplingParams, accept_draw, uniform_draw
 from llm_runner_svc.runtime.stops import StopMatcher
@@ -37,6 +38,7 @@ class GenerationRequest:
     disable_spec_decode: bool = False  # decode plainly on a speculative deployment
     adapter: int = 0  # the engine's LoRA adapter to run with; 0 = the base model
     embeds: Sequence[EmbedSpan] = ()  # image embeddings at their placeholder positions
+    constraint: Constraint | None = None  # structured output (None: free text)
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -116,6 +118,10 @@ class StepEvent:
     error: str | None = None
     metrics: RequestMetrics | None = None
     hidden: list[HiddenStates] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry,
+    # when the request asked (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob] | None = None  # once, on the first event with
+    # tokens, when asked: one per prompt token from the second on
 
 
 class SeqStatus(StrEnum):

@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from llm_runner_svc.engines.batch import MAX_LOGPROBS
 from llm_runner_svc.errors import InvalidArgument
 
 _MASK64 = (1 << 64) - 1
@@ -35,9 +36,29 @@ class SamplingParams:
     max_new_tokens: int
     seed: int = 0
     logit_bias: Mapping[int, float] = field(default_factory=dict)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    min_p: float = 0.0
+    logprobs: int | None = None  # None: none; 0: each generated token's; k: and the top k
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens
 
     def __post_init__(self) -> None:
         validate(self.temperature, self.top_k, self.top_p, self.max_new_tokens, "request")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise InvalidArgument(f"{name} must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise InvalidArgument("repetition_penalty must be a finite number > 0, got "
+                                  f"{self.repetition_penalty}")
+        if not (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidArgument(f"{name} must be in 0..{MAX_LOGPROBS} (the top "
+                                      f"alternatives to list), got {value}")
         if not 0 <= self.seed <= _MASK64:
             raise InvalidArgument(f"seed must be in 0..2^64-1, got {self.seed}")
         for tok, bias in self.logit_bias.items():
@@ -50,15 +71,23 @@ class SamplingParams:
 def resolve(defaults: SamplingDefaults, *, temperature: float | None = None,
             top_k: int | None = None, top_p: float | None = None,
             max_new_tokens: int | None = None, seed: int = 0,
-            logit_bias: Mapping[int, float] | None = None) -> SamplingParams:
-    """The request's values where given, the deployment's otherwise."""
+            logit_bias: Mapping[int, float] | None = None,
+            **extra: float | int | None) -> SamplingParams:
+    """The request's values where given, the deployment's otherwise. `extra`: SamplingParams'
+    other fields (penalties, min_p, logprobs, prompt_logprobs); None leaves one at its
+    default."""
     return SamplingParams(
         temperature=defaults.temperature if temperature is None else temperature,
         top_k=defaults.top_k if top_k is None else top_k,
         top_p=defaults.top_p if top_p is None else top_p,
         max_new_tokens=defaults.max_generate_length if max_new_tokens is None else max_new_tokens,
         seed=seed, logit_bias=dict(logit_bias or {}),
+        **{k: v for k, v in extra.items() if v is not None},  # type: ignore[arg-type]
     )
+
+
+def has_penalties(sp: SamplingParams) -> bool:
+    return bool(sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0)
 
 
 def validate(temperature: float, top_k: int, top_p: float, max_len: int, where: str) -> None:

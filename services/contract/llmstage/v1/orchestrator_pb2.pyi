@@ -17,16 +17,20 @@ class GenerateRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[_stage_pb2.GenerationRequest, _Mapping]] = ..., sinks: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Delta(_message.Message):
-    __slots__ = ("stage_id", "port", "token_ids", "text")
+    __slots__ = ("stage_id", "port", "token_ids", "text", "logprobs", "prompt_logprobs")
     STAGE_ID_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     stage_id: str
     port: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    def __init__(self, stage_id: _Optional[str] = ..., port: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_stage_pb2.TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_stage_pb2.TokenLogprob]
+    def __init__(self, stage_id: _Optional[str] = ..., port: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_stage_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_stage_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

@@ -26,7 +26,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from llm_stage_client._contract.llmstage.v1 import stage_pb2 as llmstage_dot_v1_dot_stage__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ellmstage/v1/orchestrator.proto\x12\x0bllmstage.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x17llmstage/v1/stage.proto\"Q\n\x0fGenerateRequest\x12/\n\x07request\x18\x01 \x01(\x0b\x32\x1e.llmstage.v1.GenerationRequest\x12\r\n\x05sinks\x18\x02 \x03(\t\"H\n\x05\x44\x65lta\x12\x10\n\x08stage_id\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xc2\x01\n\x0b\x46inalReport\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.llmstage.v1.FinishReason\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.llmstage.v1.Usage\x12,\n\x0b\x64iagnostics\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\r\n\x05route\x18\x06 \x03(\t\"h\n\rGenerateEvent\x12#\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x12.llmstage.v1.DeltaH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.llmstage.v1.FinalReportH\x00\x42\x07\n\x05\x65vent\"+\n\x15\x43\x61ncelGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\'\n\x16\x43\x61ncelGenerateResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fTopologyRequest\"C\n\x0bReplicaInfo\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x11\n\tin_flight\x18\x03 \x01(\x05\"\xa1\x01\n\tStageInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06runner\x18\x02 \x01(\t\x12\r\n\x05\x65mits\x18\x03 \x03(\t\x12\x0e\n\x06inputs\x18\x04 \x03(\t\x12\x12\n\non_missing\x18\x05 \x01(\t\x12*\n\x08replicas\x18\x06 \x03(\x0b\x32\x18.llmstage.v1.ReplicaInfo\x12\x19\n\x11served_model_name\x18\x07 \x01(\t\"\xe6\x01\n\x10TopologyResponse\x12&\n\x06stages\x18\x01 \x03(\x0b\x32\x16.llmstage.v1.StageInfo\x12\r\n\x05sinks\x18\x02 \x03(\t\x12\x15\n\rdefault_sinks\x18\x03 \x03(\t\x12\x13\n\x0bmax_running\x18\x04 \x01(\x05\x12\x12\n\nmax_queued\x18\x05 \x01(\x05\x12\x0f\n\x07running\x18\x06 \x01(\x05\x12\x0e\n\x06queued\x18\x07 \x01(\x05\x12\x0c\n\x04runs\x18\x08 \x01(\x05\x12\x14\n\x0cstep_streams\x18\t \x01(\x05\x12\x16\n\x0estream_members\x18\n \x01(\x05\x32\x8a\x03\n\x0cOrchestrator\x12\x46\n\x08Generate\x12\x1c.llmstage.v1.GenerateRequest\x1a\x1a.llmstage.v1.GenerateEvent0\x01\x12Q\n\x06\x43\x61ncel\x12\".llmstage.v1.CancelGenerateRequest\x1a#.llmstage.v1.CancelGenerateResponse\x12G\n\x08Topology\x12\x1c.llmstage.v1.TopologyRequest\x1a\x1d.llmstage.v1.TopologyResponse\x12G\n\x08Tokenize\x12\x1c.llmstage.v1.TokenizeRequest\x1a\x1d.llmstage.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.llmstage.v1.DetokenizeRequest\x1a\x1f.llmstage.v1.DetokenizeResponseB\x03\xf8\x01\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ellmstage/v1/orchestrator.proto\x12\x0bllmstage.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x17llmstage/v1/stage.proto\"Q\n\x0fGenerateRequest\x12/\n\x07request\x18\x01 \x01(\x0b\x32\x1e.llmstage.v1.GenerationRequest\x12\r\n\x05sinks\x18\x02 \x03(\t\"\xa9\x01\n\x05\x44\x65lta\x12\x10\n\x08stage_id\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.llmstage.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x19.llmstage.v1.TokenLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xc2\x01\n\x0b\x46inalReport\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.llmstage.v1.FinishReason\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.llmstage.v1.Usage\x12,\n\x0b\x64iagnostics\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\r\n\x05route\x18\x06 \x03(\t\"h\n\rGenerateEvent\x12#\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x12.llmstage.v1.DeltaH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.llmstage.v1.FinalReportH\x00\x42\x07\n\x05\x65vent\"+\n\x15\x43\x61ncelGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\'\n\x16\x43\x61ncelGenerateResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fTopologyRequest\"C\n\x0bReplicaInfo\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x11\n\tin_flight\x18\x03 \x01(\x05\"\xa1\x01\n\tStageInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06runner\x18\x02 \x01(\t\x12\r\n\x05\x65mits\x18\x03 \x03(\t\x12\x0e\n\x06inputs\x18\x04 \x03(\t\x12\x12\n\non_missing\x18\x05 \x01(\t\x12*\n\x08replicas\x18\x06 \x03(\x0b\x32\x18.llmstage.v1.ReplicaInfo\x12\x19\n\x11served_model_name\x18\x07 \x01(\t\"\xe6\x01\n\x10TopologyResponse\x12&\n\x06stages\x18\x01 \x03(\x0b\x32\x16.llmstage.v1.StageInfo\x12\r\n\x05sinks\x18\x02 \x03(\t\x12\x15\n\rdefault_sinks\x18\x03 \x03(\t\x12\x13\n\x0bmax_running\x18\x04 \x01(\x05\x12\x12\n\nmax_queued\x18\x05 \x01(\x05\x12\x0f\n\x07running\x18\x06 \x01(\x05\x12\x0e\n\x06queued\x18\x07 \x01(\x05\x12\x0c\n\x04runs\x18\x08 \x01(\x05\x12\x14\n\x0cstep_streams\x18\t \x01(\x05\x12\x16\n\x0estream_members\x18\n \x01(\x05\x32\x8a\x03\n\x0cOrchestrator\x12\x46\n\x08Generate\x12\x1c.llmstage.v1.GenerateRequest\x1a\x1a.llmstage.v1.GenerateEvent0\x01\x12Q\n\x06\x43\x61ncel\x12\".llmstage.v1.CancelGenerateRequest\x1a#.llmstage.v1.CancelGenerateResponse\x12G\n\x08Topology\x12\x1c.llmstage.v1.TopologyRequest\x1a\x1d.llmstage.v1.TopologyResponse\x12G\n\x08Tokenize\x12\x1c.llmstage.v1.TokenizeRequest\x1a\x1d.llmstage.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.llmstage.v1.DetokenizeRequest\x1a\x1f.llmstage.v1.DetokenizeResponseB\x03\xf8\x01\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,26 +36,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\370\001\001'
   _globals['_GENERATEREQUEST']._serialized_start=102
   _globals['_GENERATEREQUEST']._serialized_end=183
-  _globals['_DELTA']._serialized_start=185
-  _globals['_DELTA']._serialized_end=257
-  _globals['_USAGE']._serialized_start=259
-  _globals['_USAGE']._serialized_end=316
-  _globals['_FINALREPORT']._serialized_start=319
-  _globals['_FINALREPORT']._serialized_end=513
-  _globals['_GENERATEEVENT']._serialized_start=515
-  _globals['_GENERATEEVENT']._serialized_end=619
-  _globals['_CANCELGENERATEREQUEST']._serialized_start=621
-  _globals['_CANCELGENERATEREQUEST']._serialized_end=664
-  _globals['_CANCELGENERATERESPONSE']._serialized_start=666
-  _globals['_CANCELGENERATERESPONSE']._serialized_end=705
-  _globals['_TOPOLOGYREQUEST']._serialized_start=707
-  _globals['_TOPOLOGYREQUEST']._serialized_end=724
-  _globals['_REPLICAINFO']._serialized_start=726
-  _globals['_REPLICAINFO']._serialized_end=793
-  _globals['_STAGEINFO']._serialized_start=796
-  _globals['_STAGEINFO']._serialized_end=957
-  _globals['_TOPOLOGYRESPONSE']._serialized_start=960
-  _globals['_TOPOLOGYRESPONSE']._serialized_end=1190
-  _globals['_ORCHESTRATOR']._serialized_start=1193
-  _globals['_ORCHESTRATOR']._serialized_end=1587
+  _globals['_DELTA']._serialized_start=186
+  _globals['_DELTA']._serialized_end=355
+  _globals['_USAGE']._serialized_start=357
+  _globals['_USAGE']._serialized_end=414
+  _globals['_FINALREPORT']._serialized_start=417
+  _globals['_FINALREPORT']._serialized_end=611
+  _globals['_GENERATEEVENT']._serialized_start=613
+  _globals['_GENERATEEVENT']._serialized_end=717
+  _globals['_CANCELGENERATEREQUEST']._serialized_start=719
+  _globals['_CANCELGENERATEREQUEST']._serialized_end=762
+  _globals['_CANCELGENERATERESPONSE']._serialized_start=764
+  _globals['_CANCELGENERATERESPONSE']._serialized_end=803
+  _globals['_TOPOLOGYREQUEST']._serialized_start=805
+  _globals['_TOPOLOGYREQUEST']._serialized_end=822
+  _globals['_REPLICAINFO']._serialized_start=824
+  _globals['_REPLICAINFO']._serialized_end=891
+  _globals['_STAGEINFO']._serialized_start=894
+  _globals['_STAGEINFO']._serialized_end=1055
+  _globals['_TOPOLOGYRESPONSE']._serialized_start=1058
+  _globals['_TOPOLOGYRESPONSE']._serialized_end=1288
+  _globals['_ORCHESTRATOR']._serialized_start=1291
+  _globals['_ORCHESTRATOR']._serialized_end=1685
 # @@protoc_insertion_point(module_scope)

@@ -38,6 +38,7 @@ class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REFUSAL_TOKEN_OUT_OF_VOCAB: _ClassVar[Refusal]
     REFUSAL_NO_CHAT_TEMPLATE: _ClassVar[Refusal]
     REFUSAL_MEDIA_INVALID: _ClassVar[Refusal]
+    REFUSAL_STRUCTURED_OUTPUT: _ClassVar[Refusal]
 
 class CacheLookupPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -83,6 +84,7 @@ REFUSAL_PORT_UNAVAILABLE: Refusal
 REFUSAL_TOKEN_OUT_OF_VOCAB: Refusal
 REFUSAL_NO_CHAT_TEMPLATE: Refusal
 REFUSAL_MEDIA_INVALID: Refusal
+REFUSAL_STRUCTURED_OUTPUT: Refusal
 CACHE_LOOKUP_POLICY_UNSPECIFIED: CacheLookupPolicy
 CACHE_LOOKUP_POLICY_USE_CACHE: CacheLookupPolicy
 CACHE_LOOKUP_POLICY_BYPASS: CacheLookupPolicy
@@ -237,21 +239,61 @@ class MediaPart(_message.Message):
     def __init__(self, mime_type: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SamplingOverrides(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "max_tokens", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "max_tokens", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     max_tokens: int
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "grammar", "choice")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    grammar: str
+    choice: ChoiceList
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ...) -> None: ...
+
+class ChoiceList(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_ids", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerationRequest(_message.Message):
-    __slots__ = ("request_id", "text", "messages", "token_ids", "sampling", "stop", "logit_bias", "lora", "ports", "media", "ignore_eos", "context_cache_lookup_policy", "context_cache_commit_policy", "disable_spec_decode")
+    __slots__ = ("request_id", "text", "messages", "token_ids", "sampling", "stop", "logit_bias", "lora", "ports", "media", "ignore_eos", "context_cache_lookup_policy", "context_cache_commit_policy", "disable_spec_decode", "structured_output", "logprobs", "prompt_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +315,9 @@ class GenerationRequest(_message.Message):
     CONTEXT_CACHE_LOOKUP_POLICY_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_CACHE_COMMIT_POLICY_FIELD_NUMBER: _ClassVar[int]
     DISABLE_SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     messages: ChatMessages
@@ -287,7 +332,10 @@ class GenerationRequest(_message.Message):
     context_cache_lookup_policy: CacheLookupPolicy
     context_cache_commit_policy: CacheCommitPolicy
     disable_spec_decode: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOverrides, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., lora: _Optional[str] = ..., ports: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[_Union[MediaPart, _Mapping]]] = ..., ignore_eos: _Optional[bool] = ..., context_cache_lookup_policy: _Optional[_Union[CacheLookupPolicy, str]] = ..., context_cache_commit_policy: _Optional[_Union[CacheCommitPolicy, str]] = ..., disable_spec_decode: _Optional[bool] = ...) -> None: ...
+    structured_output: StructuredOutput
+    logprobs: int
+    prompt_logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOverrides, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., lora: _Optional[str] = ..., ports: _Optional[_Iterable[str]] = ..., media: _Optional[_Iterable[_Union[MediaPart, _Mapping]]] = ..., ignore_eos: _Optional[bool] = ..., context_cache_lookup_policy: _Optional[_Union[CacheLookupPolicy, str]] = ..., context_cache_commit_policy: _Optional[_Union[CacheCommitPolicy, str]] = ..., disable_spec_decode: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
     __slots__ = ("slot_id", "request", "traceparent")
@@ -358,20 +406,24 @@ class MemberCredit(_message.Message):
     def __init__(self, slot_id: _Optional[int] = ..., credits: _Optional[int] = ...) -> None: ...
 
 class MemberUpdate(_message.Message):
-    __slots__ = ("slot_id", "status", "token_ids", "text", "finish_reason", "error")
+    __slots__ = ("slot_id", "status", "token_ids", "text", "finish_reason", "error", "logprobs", "prompt_logprobs")
     SLOT_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     slot_id: int
     status: MemberStatus
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: FinishReason
     error: str
-    def __init__(self, slot_id: _Optional[int] = ..., status: _Optional[_Union[MemberStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, slot_id: _Optional[int] = ..., status: _Optional[_Union[MemberStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class JoinRefusal(_message.Message):
     __slots__ = ("slot_id", "code", "message")
