@@ -7,6 +7,7 @@ from typing import Any
 
 from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.runtime import FinishReason, RequestMetrics
+from llm_runner_svc.runtime.constraint import Constraint
 from llm_runner_svc.stage import ChatPart, ChatTurn, MediaItem, StageRequest
 from llm_runner_svc.stage.admission import Admission, Refusal
 from llm_runner_svc.stage.describe import StageDescription
@@ -42,11 +43,8 @@ def request_from_pb(slot_id: int, req_pb: pb.GenerationRequest) -> StageRequest:
         messages=tuple(ChatTurn(m.role, m.content, tuple(_part(p) for p in m.parts))
                        for m in req_pb.messages.messages) if kind == "messages" else None,
         token_ids=tuple(req_pb.token_ids.ids) if kind == "token_ids" else None,
-        temperature=s.temperature if s.HasField("temperature") else None,
-        top_k=s.top_k if s.HasField("top_k") else None,
-        top_p=s.top_p if s.HasField("top_p") else None,
-        max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
-        seed=s.seed if s.HasField("seed") else None,
+        temperature=_opt(s, "temperature"), top_k=_opt(s, "top_k"), top_p=_opt(s, "top_p"),
+        max_tokens=_opt(s, "max_tokens"), seed=_opt(s, "seed"),
         stop=tuple(req_pb.stop), logit_bias=dict(req_pb.logit_bias), lora=req_pb.lora,
         ports=tuple(req_pb.ports),
         media=tuple(MediaItem(m.mime_type, m.data) for m in req_pb.media),
@@ -54,7 +52,30 @@ def request_from_pb(slot_id: int, req_pb: pb.GenerationRequest) -> StageRequest:
         cache_lookup=_policy(req_pb.context_cache_lookup_policy, pb.CacheLookupPolicy,
                              pb.CACHE_LOOKUP_POLICY_BYPASS),
         cache_generated=_policy(req_pb.context_cache_commit_policy, pb.CacheCommitPolicy,
-                                pb.CACHE_COMMIT_POLICY_PREFILL_STATE_ONLY))
+                                pb.CACHE_COMMIT_POLICY_PREFILL_STATE_ONLY),
+        presence_penalty=_opt(s, "presence_penalty"),
+        frequency_penalty=_opt(s, "frequency_penalty"),
+        repetition_penalty=_opt(s, "repetition_penalty"), min_p=_opt(s, "min_p"),
+        logprobs=_opt(req_pb, "logprobs"), prompt_logprobs=_opt(req_pb, "prompt_logprobs"),
+        constraint=constraint_from_pb(req_pb.structured_output))
+
+
+def _opt(msg: Any, name: str) -> Any:
+    """An optional field's value; None when unset."""
+    return getattr(msg, name) if msg.HasField(name) else None
+
+
+def constraint_from_pb(so_pb: pb.StructuredOutput) -> Constraint | None:
+    """The structured output as a Constraint; None when no kind is set or json_object is
+    false (the same as unset). Empty text or no choices: InvalidArgument."""
+    kind = so_pb.WhichOneof("kind")
+    if kind is None or kind == "json_object" and not so_pb.json_object:
+        return None
+    if kind == "json_object":
+        return Constraint(kind)
+    if kind == "choice":
+        return Constraint(kind, tuple(so_pb.choice.choices))
+    return Constraint(kind, getattr(so_pb, kind))
 
 
 def _part(part_pb: pb.ChatPart) -> ChatPart:

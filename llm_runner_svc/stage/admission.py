@@ -7,10 +7,18 @@ import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol, cast
 
-from llm_runner_svc.errors import InvalidArgument, NotFound
+from llm_runner_svc.errors import FailedPrecondition, InvalidArgument, NotFound, Unimplemented
 from llm_runner_svc.models import Model
-from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, resolve
+from llm_runner_svc.runtime import (
+    GenerationRequest,
+    InferenceRuntime,
+    SamplingDefaults,
+    SamplingParams,
+    resolve,
+)
+from llm_runner_svc.runtime.constraint import Constraint
 from llm_runner_svc.stage.config import StageConfig
 from llm_runner_svc.stage.limits import RequestLimits, RequestSizes, check_malformed
 from llm_runner_svc.stage.request import StageRequest
@@ -27,6 +35,7 @@ class Refusal(Enum):
     TOKEN_OUT_OF_VOCAB = "token_out_of_vocab"
     NO_CHAT_TEMPLATE = "no_chat_template"
     MEDIA_INVALID = "media_invalid"
+    STRUCTURED_OUTPUT = "structured_output"
 
 
 class Refused(Exception):
@@ -71,8 +80,7 @@ def check_request(config: StageConfig, model: Model, max_seq: int, req: StageReq
             raise Refused(Refusal.PORT_UNAVAILABLE, f"port {port!r} is not declared by this "
                           f"deployment (it emits {list(config.emits)})")
     try:
-        resolve(config.sampling, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                max_new_tokens=req.max_tokens, logit_bias=req.logit_bias)
+        sampling_params(config.sampling, req)
     except InvalidArgument as exc:
         raise Refused(Refusal.SAMPLING_OUT_OF_RANGE, exc.message) from exc
     vocab = model.config.vocab_size
@@ -83,6 +91,36 @@ def check_request(config: StageConfig, model: Model, max_seq: int, req: StageReq
     if req.messages is not None and model.chat_template is None:
         raise Refused(Refusal.NO_CHAT_TEMPLATE,
                       f"model {model.name} has no chat template; send text or token_ids")
+
+
+def sampling_params(defaults: SamplingDefaults, req: StageRequest, seed: int = 0
+                    ) -> SamplingParams:
+    """The request's sampling values over the deployment's `defaults`; InvalidArgument naming
+    the field for one out of its range."""
+    return resolve(defaults, temperature=req.temperature, top_k=req.top_k,
+                   top_p=req.top_p, max_new_tokens=req.max_tokens, seed=seed,
+                   logit_bias=req.logit_bias, presence_penalty=req.presence_penalty,
+                   frequency_penalty=req.frequency_penalty,
+                   repetition_penalty=req.repetition_penalty, min_p=req.min_p,
+                   logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
+
+
+class ConstraintChecker(Protocol):
+    def check_constraint(self, constraint: Constraint) -> None:
+        """Compile `constraint` (cached); GrammarError (an InvalidArgument) naming why it does
+        not, Unimplemented or FailedPrecondition when the engine cannot mask tokens."""
+
+
+def check_constraint(runtime: InferenceRuntime, constraint: Constraint) -> None:
+    """Refuse a structured output the runtime cannot serve: its schema, regex or grammar does
+    not compile, or the engine cannot mask tokens. Tens of milliseconds for a large schema
+    the first time: the stage runs it on its worker thread, with tokenization."""
+    try:
+        cast(ConstraintChecker, runtime).check_constraint(constraint)
+    except (InvalidArgument, Unimplemented, FailedPrecondition) as exc:
+        reason = exc.message if "structured output" in exc.message else \
+            f"structured output ({constraint.kind}) cannot be served: {exc.message}"
+        raise Refused(Refusal.STRUCTURED_OUTPUT, reason) from exc
 
 
 def check_counts(limits: RequestLimits, max_seq: int, sizes: RequestSizes) -> None:
@@ -112,12 +150,19 @@ def check_counts(limits: RequestLimits, max_seq: int, sizes: RequestSizes) -> No
 
 
 def check_limits(limits: RequestLimits, max_seq: int, req: StageRequest) -> None:
-    """Every per-request limit on a converted request: the counts, then the stop bytes."""
+    """Every per-request limit on a converted request: the counts, then the stop bytes and
+    the structured output's."""
     check_counts(limits, max_seq, RequestSizes.of(req))
     stop_bytes = sum(len(s.encode()) for s in req.stop)
     if stop_bytes > limits.max_stop_bytes:
         raise Refused(Refusal.SAMPLING_OUT_OF_RANGE, f"the stop strings hold {stop_bytes} "
                       f"bytes; the limit is {limits.max_stop_bytes} (maxStopBytes)")
+    grammar_bytes = req.grammar_bytes
+    if grammar_bytes > limits.max_grammar_bytes:
+        assert req.constraint is not None
+        raise Refused(Refusal.STRUCTURED_OUTPUT, f"the structured output's "
+                      f"{req.constraint.kind} holds {grammar_bytes} bytes; the limit is "
+                      f"{limits.max_grammar_bytes} (maxGrammarBytes)")
 
 
 def tokenize(model: Model, req: StageRequest) -> tuple[int, ...]:
@@ -200,12 +245,10 @@ def build_runtime_request(runtime: InferenceRuntime, slot: Slot,
                        "admitted")
     adapter = adapters.index(req.lora) + 1 if req.lora else 0
     seed = secrets.randbits(64) if req.seed is None else req.seed
-    sampling = resolve(runtime.config.sampling, temperature=req.temperature, top_k=req.top_k,
-                       top_p=req.top_p, max_new_tokens=req.max_tokens, seed=seed,
-                       logit_bias=req.logit_bias)
+    sampling = sampling_params(runtime.config.sampling, req, seed)
     return PreparedRun(GenerationRequest(
         slot.runtime_id, slot.admitted, sampling, stop=req.stop, capture_hidden=req.wants_hidden,
         ignore_eos=req.ignore_eos, label=req.request_id, cache_lookup=req.cache_lookup,
         cache_generated=req.cache_generated, adapter=adapter,
         disable_spec_decode=req.disable_spec_decode,
-        embeds=getattr(slot.admitted, "embeds", ())), seed)
+        embeds=getattr(slot.admitted, "embeds", ()), constraint=req.constraint), seed)

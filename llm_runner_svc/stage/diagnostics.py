@@ -46,7 +46,12 @@ def slot_diagnostics(slot: Slot, config: StageConfig) -> dict[str, Any]:
     if slot.prepared is not None:
         sp = slot.prepared.request.sampling
         out["sampling"] = {"temperature": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p,
-                           "max_tokens": sp.max_new_tokens, "seed": str(slot.prepared.seed)}
+                           "max_tokens": sp.max_new_tokens, "seed": str(slot.prepared.seed),
+                           **{k: getattr(sp, k) for k, off in SAMPLING_EXTRAS
+                              if getattr(sp, k) != off}}
+        constraint = slot.prepared.request.constraint
+        if constraint is not None:
+            out["structured_output"] = constraint.kind
     if run.metrics is not None:
         out["timings"] = run.metrics.as_dict()
         if run.metrics.target_steps:  # a speculative request
@@ -57,6 +62,10 @@ def slot_diagnostics(slot: Slot, config: StageConfig) -> dict[str, Any]:
     return out
 
 
+# Sampling values reported only when a request changed them from their default (off).
+SAMPLING_EXTRAS = (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                   ("repetition_penalty", 1.0), ("min_p", 0.0), ("logprobs", None),
+                   ("prompt_logprobs", None))
 SPEC_KEYS = ("proposed_tokens", "accepted_tokens", "acceptance_rate", "tokens_per_target_step")
 
 

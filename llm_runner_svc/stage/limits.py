@@ -4,7 +4,9 @@ Stage keys (all optional, integers): `maxPromptBytes` (text or chat content, in 
 the default, is maxSeq x PROMPT_BYTES_PER_TOKEN), `maxStopStrings`, `maxStopBytes` (summed over
 the stop strings), `maxLogitBias` (entries), `maxMessages` (chat turns), `maxMediaParts`,
 `maxMediaBytes` (one item's encoded bytes, refused before anything decodes it),
-`maxImagePixels` (one decoded image's width x height), `maxRequestIdBytes`. A prompt over its
+`maxImagePixels` (one decoded image's width x height), `maxRequestIdBytes`, `maxGrammarBytes`
+(the structured output's schema, regex or grammar text, or its choices summed, refused before
+anything compiles it). A prompt over its
 byte limit or a request id over its length is malformed (INVALID_ARGUMENT) and is refused
 before tokenizing; the other limits are refusals (admitted=false with a reason), like a
 sampling value out of range.
@@ -35,6 +37,7 @@ KEYS: dict[str, tuple[str, int]] = {
     "maxMediaBytes": ("max_media_bytes", 1),
     "maxImagePixels": ("max_image_pixels", 1),
     "maxRequestIdBytes": ("max_request_id_bytes", 1),
+    "maxGrammarBytes": ("max_grammar_bytes", 1),
 }
 
 
@@ -49,6 +52,7 @@ class RequestLimits:
     max_request_id_bytes: int = 256
     max_media_bytes: int = 8 << 20
     max_image_pixels: int = 4096 * 4096
+    max_grammar_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
         for key, (name, low) in KEYS.items():

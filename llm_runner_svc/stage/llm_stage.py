@@ -1,8 +1,9 @@
 """LlmStage: the LlmRunner adapter over the stage kit. The kit (`services/stage/core.py`) owns
 the slot lifecycle, the cohorts and the decode loop; this class adds what is the LLM's own:
-admission and tokenization, the runtime request Prepare builds, the hidden port, and what
-Diagnostics and metrics report. Every method runs on the server's event loop thread; only
-tokenization runs on a worker thread (tokenize_worker.py)."""
+admission and tokenization (and compiling a structured output), the runtime request Prepare
+builds, the hidden port, and what Diagnostics and metrics report. Every method runs on the
+server's event loop thread; only tokenization and compiling a structured output run on a
+worker thread (tokenize_worker.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from llm_runner_svc.stage.admission import (
     Refusal,
     Refused,
     build_runtime_request,
+    check_constraint,
     check_counts,
     check_load,
     check_prompt,
@@ -240,7 +242,10 @@ class LlmStage(StageCore):
 
     def _tokenize(self, request: StageRequest) -> tuple[int, ...]:
         """The prompt's token ids; with a vision tower, its images encoded and placed
-        (images.py). Runs on the worker thread."""
+        (images.py). Its structured output is compiled first (Refused when it does not).
+        Runs on the worker thread."""
+        if request.constraint is not None:
+            check_constraint(self.runtime, request.constraint)
         ids = tokenize(self.model, request)
         return self.images.admit(request, ids) if self.images is not None else ids
 

@@ -1,8 +1,10 @@
 """What a caller asks of the LLM stage, as a domain type.
 
 Construction rejects malformed requests (INVALID_ARGUMENT): no prompt or two, NaN or infinite
-numbers, negative ids, empty stop strings. Well-formed values that this stage cannot serve
-(a long prompt, top_p 1.5, an unknown adapter) are not errors here; admission refuses them.
+numbers, negative ids, empty stop strings, a structured output with nothing in it (an empty
+schema, regex or grammar, no choices; see Constraint). Well-formed values that this stage
+cannot serve (a long prompt, top_p 1.5, a penalty of 5, a regex that does not compile, an
+unknown adapter) are not errors here; admission refuses them.
 """
 
 from __future__ import annotations
@@ -12,9 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from llm_runner_svc.errors import InvalidArgument
+from llm_runner_svc.runtime.constraint import Constraint
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 PORTS = ("text", "tokens", "hidden")
+# The sampling values a NaN or an infinity makes malformed; a finite one out of its range is
+# refused at admission instead.
+SAMPLING_FLOATS = ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "min_p")
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,13 @@ class StageRequest:
     disable_spec_decode: bool = False  # decode plainly on a speculative stage
     cache_lookup: bool = True  # reuse a cached prefix (context_cache_lookup_policy)
     cache_generated: bool = True  # commit generated tokens too (context_cache_commit_policy)
+    presence_penalty: float | None = None  # None: the default (off) for each of these four
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logprobs: int | None = None  # None: none; 0: each token's own; k: and the top k
+    prompt_logprobs: int | None = None
+    constraint: Constraint | None = None  # structured output (None: free text)
 
     def __post_init__(self) -> None:
         given = [n for n in ("text", "messages", "token_ids") if getattr(self, n) is not None]
@@ -92,7 +106,7 @@ class StageRequest:
                 raise InvalidArgument("token_ids is empty: at least one token is required")
             if min(self.token_ids) < 0:
                 raise InvalidArgument("token_ids holds a negative id")
-        for name in ("temperature", "top_p"):
+        for name in SAMPLING_FLOATS:
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise InvalidArgument(f"sampling.{name} must be a finite number, got {value}")
@@ -124,6 +138,15 @@ class StageRequest:
         them, else in the order given."""
         placed = [p.image for m in self.messages or () for p in m.parts if p.image is not None]
         return placed if placed else list(range(len(self.media)))
+
+    @property
+    def grammar_bytes(self) -> int:
+        """The size of the structured output's schema, regex, grammar or choices (UTF-8)."""
+        c = self.constraint
+        if c is None:
+            return 0
+        values = (c.value,) if isinstance(c.value, str) else c.value
+        return sum(len(v.encode()) for v in values)
 
     @property
     def wants_hidden(self) -> bool:

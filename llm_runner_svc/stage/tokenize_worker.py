@@ -1,11 +1,11 @@
-"""Admit's tokenization off the event loop: one worker thread, and the slot ids whose Admit
-is waiting on it.
+"""Admit's tokenization (and the compiling of a structured output) off the event loop: one
+worker thread, and the slot ids whose Admit is waiting on it.
 
 While a prompt is tokenized the event loop keeps serving (health, Describe, every other
 slot's calls). The slot is not created until tokenization ends, so nothing else can see it;
 `claim` keeps a second Admit of the same slot id out meanwhile. The work is bounded: each
-prompt is capped in bytes before it gets here, and the stage counts the Admits in progress
-against its capacity, so the queue in front of the thread is too.
+prompt (and schema or grammar) is capped in bytes before it gets here, and the stage counts
+the Admits in progress against its capacity, so the queue in front of the thread is too.
 """
 
 from __future__ import annotations
