@@ -110,6 +110,9 @@ class GgufBpeTokenizer(Tokenizer):
     def default_add_bos(self) -> bool:
         return self._add_bos
 
+    def tokenizers_json(self) -> str | None:
+        return str(self._tok.to_str())
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
         if add_bos and self.bos_id is not None:

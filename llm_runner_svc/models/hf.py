@@ -159,6 +159,9 @@ class HfTokenizer(Tokenizer):
     def default_add_bos(self) -> bool:
         return self._add_bos
 
+    def tokenizers_json(self) -> str | None:
+        return str(self._tok.to_str())
+
 
 def _load_tokenizer(path: Path, cfg: dict[str, Any], arch: str,
                     tok_cfg: dict[str, Any]) -> HfTokenizer:

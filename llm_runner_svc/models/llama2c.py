@@ -114,13 +114,22 @@ class Llama2cTokenizer(Tokenizer):
         # llama2.c trains stories separated by BOS, so a generated BOS ends the text too
         self.eos_ids = (EOS_ID, BOS_ID)
 
+    def token_bytes(self) -> list[bytes] | None:
+        return list(self._bytes)
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids: list[int] = [BOS_ID] if add_bos else []
         if not text:
             return ids
+        return ids + self._encode(text, dummy_prefix=True)
+
+    def encode_fragment(self, text: str) -> list[int]:
+        return self._encode(text, dummy_prefix=False) if text else []
+
+    def _encode(self, text: str, dummy_prefix: bool) -> list[int]:
         toks: list[int] = []
         space = self.lookup.get(b" ")
-        if space is not None:
+        if space is not None and dummy_prefix:
             toks.append(space)
         for ch in text:
             b = ch.encode("utf-8")
@@ -129,7 +138,7 @@ class Llama2cTokenizer(Tokenizer):
                 toks.append(tid)
             else:
                 toks.extend(byte + 3 for byte in b)
-        return ids + self._merge(toks)
+        return self._merge(toks)
 
     def _merge(self, toks: list[int]) -> list[int]:
         """llama2.c's merge order in O(n log n): repeatedly merge the adjacent pair whose

@@ -25,6 +25,20 @@ class Tokenizer(ABC):
         """Whether a plain prompt gets a BOS (format-specific)."""
         return self.bos_id is not None
 
+    def encode_fragment(self, text: str) -> list[int]:
+        """Ids of `text` as it would continue other text: no BOS, no dummy-prefix space."""
+        return self.encode(text, add_bos=False)
+
+    def tokenizers_json(self) -> str | None:
+        """The whole tokenizer as the `tokenizers` library serializes it, for a tokenizer
+        built on that library (structured output builds its token tables from it)."""
+        return None
+
+    def token_bytes(self) -> list[bytes] | None:
+        """The bytes each id stands for (a special token: its text), for a tokenizer not
+        built on `tokenizers`."""
+        return None
+
     @property
     def special_ids(self) -> frozenset[int]:
         """Ids that are markers, not text: generated ones add nothing to the output text (a

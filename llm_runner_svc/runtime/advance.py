@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_runner_svc.engines.base import Engine, HiddenStates
-from llm_runner_svc.engines.batch import Batch, Row
+from llm_runner_svc.engines.batch import Batch, Row, TokenLogprob
 from llm_runner_svc.errors import RunnerError
 from llm_runner_svc.runtime.config import RuntimeConfig
 from llm_runner_svc.runtime.kv import PagePool
@@ -45,10 +45,11 @@ class Flight:
     def is_live(self) -> bool:
         return any(s.status is not SeqStatus.FINISHED for s, _ in self.plan)
 
-    def is_speculative(self) -> bool:
-        """A speculative request's next row depends on this forward's picks: read it before
-        the next launch."""
-        return any(s.proposer is not None for s, _ in self.plan)
+    def reads_first(self) -> bool:
+        """A request's next row depends on this forward's picks read on the host (a
+        speculative one's proposal, a structured output's mask, a penalty's counts): read it
+        before the next launch."""
+        return any(s.reads_first for s, _ in self.plan)
 
 
 class SequenceAdvance:
@@ -99,10 +100,15 @@ class SequenceAdvance:
                        exc, events)
             return
         verified = out.verified or [None] * len(flight.plan)
-        for (seq, row), pick, hs, target in zip(flight.plan, out.picks, out.hidden, verified,
-                                                strict=True):
+        logprobs = out.logprobs or [None] * len(flight.plan)
+        scores = out.scores or [None] * len(flight.plan)
+        for (seq, row), pick, hs, target, lp, score in zip(
+                flight.plan, out.picks, out.hidden, verified, logprobs, scores, strict=True):
             if seq.status is SeqStatus.FINISHED:
                 continue
+            if score and seq.prompt_scores is not None:
+                kept = len(seq.prompt_scores) - row.start  # positions scored before
+                seq.prompt_scores.extend(score[max(kept, 0):])
             if row.sample is not None:
                 seq.pending -= 1
             tokens, end = ([] if pick is None else [pick]), row.end
@@ -116,10 +122,11 @@ class SequenceAdvance:
                     m.verified_tokens += len(tokens)
                 self.spec_totals.proposed_tokens += row.verify
                 self.spec_totals.accepted_tokens += len(tokens) - 1
+            lps = [lp] if lp is not None and len(tokens) == 1 else []
             if seq.req.request_id in held:
-                seq.stash.append((tokens, hs, end))
+                seq.stash.append((tokens, hs, end, lps))
             else:
-                self._deliver(seq, tokens, hs, end, events)
+                self._deliver(seq, tokens, hs, end, events, lps)
             if row.verify and pick is not None:
                 seq.metrics.verify_steps += 1
                 self._stop_losing_speculation(seq)
@@ -136,7 +143,7 @@ class SequenceAdvance:
         seq.proposer.release(seq)  # a draft's pages for it go back
         seq.proposer = None
         m.spec_disabled_reason = reason
-        m.spec_disabled_at_token = len(seq.output_ids) + sum(len(t) for t, _, _ in seq.stash)
+        m.spec_disabled_at_token = len(seq.output_ids) + sum(len(e[0]) for e in seq.stash)
         log.info("request %s decodes plainly from token %d: %s", seq.req.request_id,
                  m.spec_disabled_at_token, reason)
 
@@ -154,15 +161,16 @@ class SequenceAdvance:
         for seq in list(self._seqs.values()):
             if seq.stash and seq.req.request_id not in held:
                 stash, seq.stash = seq.stash, []
-                for tokens, hs, end in stash:
+                for tokens, hs, end, lps in stash:
                     if seq.status is not SeqStatus.FINISHED:
-                        self._deliver(seq, tokens, hs, end, events)
+                        self._deliver(seq, tokens, hs, end, events, lps)
 
     def _deliver(self, seq: SequenceState, tokens: list[int], hs: HiddenStates | None,
-                 end: int, events: dict[str, StepEvent]) -> None:
+                 end: int, events: dict[str, StepEvent],
+                 logprobs: list[TokenLogprob] | None = None) -> None:
         """One row's results: states of positions not delivered before (a recompute after a
         preemption repeats some), then its tokens (a pick, or a verify row's), the last
-        following position `end` - 1."""
+        following position `end` - 1, with their log-probabilities when asked."""
         ev = self._event(events, seq)
         reused, seq.reused_hidden = seq.reused_hidden, []
         for piece in reused:  # states of a reused prefix, kept by the cache
@@ -175,7 +183,12 @@ class SequenceAdvance:
             seq.t_first_token = time.perf_counter()
             seq.metrics.prefill_ms = (seq.t_first_token - seq.t_scheduled) * 1000.0
             seq.metrics.ttft_ms = (seq.t_first_token - seq.t_submit) * 1000.0
+        if seq.prompt_scores is not None and not seq.scores_sent:
+            ev.prompt_logprobs = list(seq.prompt_scores)
+            seq.scores_sent = True
         for i, token in enumerate(tokens):
+            if logprobs and i < len(logprobs) and token not in self._eos:
+                ev.logprobs.append(logprobs[i])
             self._accept(seq, token, ev, end - len(tokens) + 1 + i)
             if seq.finish_reason is not None:
                 self._finish(seq, ev)
@@ -212,10 +225,17 @@ class SequenceAdvance:
         seq.output_ids.append(token)
         seq.metrics.generated_tokens += 1
         ev.token_ids.append(token)
+        if seq.counts is not None:
+            seq.counts[token] = seq.counts.get(token, 0) + 1
         text, is_stop = seq.stops.feed(seq.decoder.push([token]))
         ev.text += text
         if is_stop:
             seq.latch(FinishReason.STOP_WORDS)
+        elif seq.matcher is not None and not seq.matcher.accept(token):
+            seq.latch(FinishReason.ERROR, f"token {token} breaks the structured output: "
+                      f"{seq.matcher.error.splitlines()[0] if seq.matcher.error else ''}")
+        elif seq.matcher is not None and seq.matcher.is_done:
+            seq.latch(FinishReason.END_OF_SEQUENCE)  # the output is whole: nothing may follow
         elif len(seq.output_ids) >= seq.req.sampling.max_new_tokens or end >= self.max_seq:
             seq.latch(FinishReason.MAX_LENGTH)
 

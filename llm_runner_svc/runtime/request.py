@@ -9,12 +9,17 @@ from enum import StrEnum
 from typing import Any
 
 from llm_runner_svc.engines.base import HiddenStates, SampleSpec
-from llm_runner_svc.engines.batch import EmbedSpan, TokenLogprob
+from llm_runner_svc.engines.batch import EmbedSpan, Penalties, TokenLogprob
 from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.models.tokenizer import StreamDecoder
 from llm_runner_svc.runtime.constraint import Constraint
 from llm_runner_svc.runtime.prefix_cache import Key
-from llm_runner_svc.runtime.sampling import SamplingParams, accept_draw, uniform_draw
+from llm_runner_svc.runtime.sampling import (
+    SamplingParams,
+    accept_draw,
+    has_penalties,
+    uniform_draw,
+)
 from llm_runner_svc.runtime.stops import StopMatcher
 from services.stage.ending import FinishReason  # the contract's reasons, shared with stages
 
@@ -139,12 +144,13 @@ class SequenceState:
     already handed to the engine (their KV written, or being written). A pick launched but
     not read yet is `pending`; the last launched forward's pick for this request sits in
     its row `pick_row` of launch `pick_launch`. Picks read while the request is held wait
-    in `stash` until it steps again (each entry: the tokens a row yielded, its states and the
-    position after the last of them). A speculative request has a `proposer`.
+    in `stash` until it steps again (each entry: the tokens a row yielded, its states, the
+    position after the last of them and their log-probabilities when asked). A speculative
+    request has a `proposer`.
     """
 
     def __init__(self, req: GenerationRequest, decoder: StreamDecoder, stops: StopMatcher,
-                 packed_prompt: bytes = b"") -> None:
+                 packed_prompt: bytes = b"", matcher: Any = None) -> None:
         self.req = req
         self.packed_prompt = packed_prompt  # the prompt's ids as the prefix cache packs them
         self.decoder = decoder
@@ -159,7 +165,7 @@ class SequenceState:
         self.pick_launch = -1
         self.pick_row = 0
         self.hidden_upto = 0  # positions whose hidden states were delivered
-        self.stash: list[tuple[list[int], HiddenStates | None, int]] = []
+        self.stash: list[tuple[list[int], HiddenStates | None, int, list[TokenLogprob]]] = []
         self.proposer: Any = None  # speculative.NgramProposer, or None: plain decode
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
@@ -172,6 +178,23 @@ class SequenceState:
         self.reused_hidden: list[HiddenStates] = []  # kept states of reused pages, to deliver
         self.kept_rows: list[HiddenStates] = []  # delivered states not yet kept by the cache
         self.kept_pages = 0  # leading pages whose states the cache was given
+        self.matcher = matcher  # grammar.GrammarMatcher of a structured output, or None
+        sp = req.sampling
+        # the output's token counts, for the repetition penalties (None: none asked)
+        self.counts: dict[int, int] | None = {} if has_penalties(sp) else None
+        self._penalties = None if self.counts is None else Penalties(
+            sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, self.counts,
+            frozenset(req.prompt_ids) if sp.repetition_penalty != 1.0 else frozenset())
+        self.prompt_scores: list[TokenLogprob] | None = \
+            [] if sp.prompt_logprobs is not None else None  # prompt log-probabilities so far
+        self.scores_sent = False
+
+    @property
+    def reads_first(self) -> bool:
+        """Its next pick depends on the host's view of its last one (a proposal to verify,
+        a grammar to advance, counts to penalise): no row of it runs ahead of the read."""
+        return self.proposer is not None or self.matcher is not None or \
+            self.counts is not None
 
     def latch(self, reason: FinishReason, error: str | None = None) -> bool:
         """Record why the request ends; only the first reason sticks."""
@@ -190,7 +213,9 @@ class SequenceState:
         sp = self.req.sampling
         spec = SampleSpec(sp.temperature, sp.top_k, sp.top_p, uniform_draw(sp.seed, index),
                           sp.logit_bias or None,
-                          accept_draw(sp.seed, index) if is_proposed else 0.0)
+                          accept_draw(sp.seed, index) if is_proposed else 0.0,
+                          sp.min_p, self._penalties, self.matcher,
+                          -1 if sp.logprobs is None else sp.logprobs)
         if spec.is_greedy:
             self.greedy_spec = spec
         return spec

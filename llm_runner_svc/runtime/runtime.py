@@ -7,7 +7,9 @@ budget), launches it on the engine, and only then reads the batch launched by th
 before and turns it into events: the engine works on step n+1 while the host handles step
 n. A step that finds nothing in flight launches two batches and reads the first, so every
 step returns the tokens of one forward. A forward holding a speculative request's row is
-read before the next launch (its verify row needs the accepted tokens). Nothing else is
+read before the next launch (its verify row needs the accepted tokens), and so is one
+holding a row whose pick the host must see first (a structured output's mask, the counts of
+a repetition penalty). Nothing else is
 special-cased: a join, a leave, a cancel or a preemption only changes which rows the next
 batch holds, and rows of a request that ended meanwhile are dropped when their batch is
 read.
@@ -26,11 +28,14 @@ from llm_runner_svc.errors import (
     NotFound,
     ResourceExhausted,
     RunnerError,
+    Unimplemented,
 )
 from llm_runner_svc.models.tokenizer import StreamDecoder, Tokenizer
 from llm_runner_svc.runtime.advance import Flight, SequenceAdvance
 from llm_runner_svc.runtime.config import RuntimeConfig
+from llm_runner_svc.runtime.constraint import Constraint
 from llm_runner_svc.runtime.drafting import DraftProposer
+from llm_runner_svc.runtime.grammar import Grammars
 from llm_runner_svc.runtime.kv import PagePool
 from llm_runner_svc.runtime.prefix_cache import PrefixCache, packed
 from llm_runner_svc.runtime.request import (
@@ -40,6 +45,7 @@ from llm_runner_svc.runtime.request import (
     SequenceState,
     StepEvent,
 )
+from llm_runner_svc.runtime.sampling import has_penalties
 from llm_runner_svc.runtime.scheduler import Scheduler
 from llm_runner_svc.runtime.speculative import NgramProposer
 from llm_runner_svc.runtime.stops import StopMatcher
@@ -86,6 +92,7 @@ class InferenceRuntime(SequenceAdvance):
         self.scheduler = Scheduler(self.pages, config.max_batch, self.step_tokens, self.max_seq,
                                    self.prefix_cache)
         self._eos = frozenset(engine.config.eos_ids) | frozenset(tokenizer.eos_ids)
+        self.grammars = Grammars(tokenizer, engine.config.vocab_size, self._eos)
         self.spec_totals = RequestMetrics()
         self._lock = threading.Lock()
         self._seqs: dict[str, SequenceState] = {}
@@ -171,6 +178,27 @@ class InferenceRuntime(SequenceAdvance):
             return err
         return None
 
+    def check_constraint(self, constraint: Constraint) -> None:
+        """Whether this runtime can serve `constraint`: Unimplemented when its engine cannot
+        mask tokens, GrammarError (InvalidArgument) when it does not compile. The first time
+        a constraint is seen it is compiled (milliseconds to a second for a large schema);
+        then it is a cache lookup."""
+        if not getattr(self.engine, "supports_masks", False):
+            raise Unimplemented(f"engine {self.engine.name} cannot restrict its picks to a "
+                                "token mask: structured output needs engine numpy or torch")
+        self.grammars.compile(constraint)
+
+    def _check_features(self, req: GenerationRequest) -> None:
+        sp = req.sampling
+        if sp.logprobs is not None and not getattr(self.engine, "supports_logprobs", False):
+            raise Unimplemented(f"engine {self.engine.name} gives no log-probabilities "
+                                "(engines that do: numpy, torch)")
+        if sp.prompt_logprobs is not None and not getattr(self.engine, "supports_scores", False):
+            raise Unimplemented(f"engine {self.engine.name} gives no prompt "
+                                "log-probabilities (engines that do: numpy, torch)")
+        if req.constraint is not None:
+            self.check_constraint(req.constraint)
+
     def _admissible(self, req: GenerationRequest) -> bytes:
         """The prompt's ids `packed` (which the prefix lookup reads), once `req` is found
         servable; raises the error `admission_error` returns."""
@@ -197,6 +225,7 @@ class InferenceRuntime(SequenceAdvance):
                                      "declares no hidden port (accept_hidden_layer unset)")
         if req.request_id in self._seqs:
             raise FailedPrecondition(f"request id {req.request_id!r} is already in flight")
+        self._check_features(req)
         need = self.pages.pages_for(min(n + req.sampling.max_new_tokens, self.max_seq))
         if need > self.pages.num_pages:
             raise ResourceExhausted(
@@ -215,20 +244,24 @@ class InferenceRuntime(SequenceAdvance):
             ids = self._admissible(req)
             after_bos = self.tokenizer.bos_id is not None and \
                 req.prompt_ids[-1] == self.tokenizer.bos_id
+            matcher = None if req.constraint is None else self.grammars.matcher(req.constraint)
             seq = SequenceState(req, StreamDecoder(self.tokenizer, after_bos),
-                                StopMatcher(req.stop), ids)
+                                StopMatcher(req.stop), ids, matcher)
             if self._speculates(req):
                 seq.proposer = self.proposer
             self._seqs[req.request_id] = seq
             self.scheduler.add(seq)
 
     def _speculates(self, req: GenerationRequest) -> bool:
-        """Speculative decoding serves requests without logit bias: greedy ones yield
+        """Speculative decoding serves requests whose picks depend on the logits alone
+        (no logit bias, penalty, min_p, constraint or log-probabilities): greedy ones yield
         exactly plain greedy decoding's tokens, sampled ones tokens distributed as plain
         sampling's (rejection sampling); the others, and those that opt out, decode
         plainly."""
+        sp = req.sampling
         return self.config.spec is not None and not req.disable_spec_decode and \
-            not req.sampling.logit_bias
+            not (sp.logit_bias or has_penalties(sp) or sp.min_p or req.constraint
+                 or sp.logprobs is not None)
 
     def cancel(self, request_id: str) -> bool:
         """Ask for `request_id` to end as cancelled at the top of the next step."""
@@ -278,7 +311,7 @@ class InferenceRuntime(SequenceAdvance):
             flight = None  # every row's request has ended: nothing there to read
         if flight is None:
             flight = self._launch(held, events)
-        if flight is not None and flight.is_speculative():
+        if flight is not None and flight.reads_first():
             self._take(flight, held, events)  # no run-ahead: its next rows need these picks
         elif flight is not None:
             self._flight = self._launch(held, events)

@@ -113,8 +113,8 @@ class Scheduler:
         if index >= seq.req.sampling.max_new_tokens or seq.computed >= self.max_seq:
             return 0
         if seq.pending:
-            if seq.pick_launch != self.launches or seq.proposer is not None:
-                return 0  # its pick is not the last forward's, or it proposes: read first
+            if seq.pick_launch != self.launches or seq.reads_first:
+                return 0  # its pick is not the last forward's, or it needs it read first
             tokens: tuple[int, ...] = ()
             from_pick: int | None = seq.pick_row
         else:
@@ -223,8 +223,8 @@ class Scheduler:
         """A joining request holds the longest cached prefix of its known tokens (unless it
         bypasses the cache); one that captures hidden states takes only pages that kept
         theirs, and receives them as its first states."""
-        if self.cache is None or not seq.req.cache_lookup:
-            return
+        if self.cache is None or not seq.req.cache_lookup or seq.prompt_scores is not None:
+            return  # (prompt log-probabilities need the whole prompt computed)
         hidden = seq.req.capture_hidden
         if hidden and not self.cache.max_snapshots:
             return
@@ -270,9 +270,16 @@ class Scheduler:
         spec = seq.spec(index + verify) if pick else None
         samples = () if spec is None or spec.is_greedy else \
             tuple(seq.spec(index + j, is_proposed=True) for j in range(verify))
-        embeds = seq.req.embeds if tokens and start < len(seq.req.prompt_ids) else ()
-        row = Row(tokens, start, seq.pages, spec, seq.req.capture_hidden, from_pick,
-                  len(seq.req.prompt_ids), verify, seq.req.adapter, embeds, samples)
+        n = len(seq.req.prompt_ids)
+        embeds = seq.req.embeds if tokens and start < n else ()
+        score: tuple[int, ...] = ()
+        if seq.prompt_scores is not None and tokens:
+            # the prompt token after each of its positions (a recompute scores again; the
+            # positions scored before are dropped when it is read)
+            score = tuple(seq.req.prompt_ids[start + 1:min(start + len(tokens), n - 1) + 1])
+        row = Row(tokens, start, seq.pages, spec, seq.req.capture_hidden, from_pick, n, verify,
+                  seq.req.adapter, embeds, samples, score,
+                  seq.req.sampling.prompt_logprobs or 0)
         seq.computed = row.end
         if pick:
             seq.pending += 1
