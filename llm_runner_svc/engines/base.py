@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from llm_runner_svc.engines.batch import (
     GREEDY_TEMPERATURE,
+    MAX_LOGPROBS,
     MAX_VERIFY,
     Batch,
     HiddenStates,
@@ -86,6 +87,13 @@ class Engine(ABC):
     supports_verify = False  # returns `StepOutput.verified` for rows with `verify`
     num_adapters = 0  # LoRA adapter slots a row may name (Row.adapter 1 .. num_adapters)
     supports_embeds = False  # takes rows with EmbedSpans (image embeddings)
+    # What a pick may ask beyond temperature, top-k, top-p and logit bias (numpy_processors.py
+    # states the rules); an engine refuses a batch that asks for what it does not do
+    # (`check_features`), so the runtime refuses such a request at admission instead.
+    supports_penalties = False  # SampleSpec.penalties and min_p
+    supports_masks = False  # SampleSpec.mask
+    supports_logprobs = False  # SampleSpec.logprobs: StepOutput.logprobs
+    supports_scores = False  # Row.score: StepOutput.scores
     max_lora_rank: int | None = None  # the largest rank a slot holds (None: any)
 
     @abstractmethod
@@ -240,6 +248,34 @@ def check_batch(config: ModelConfig, plan: EnginePlan, batch: Batch,
                                   f"{len(row.pages)} pages")
         if row.tokens:
             check_token_ids(config, row.tokens)
+
+
+def check_features(engine: Engine, batch: Batch) -> None:
+    """InvalidArgument for a row that asks for a feature the engine lacks (its `supports_*`
+    attributes) or asks for it out of range: more than MAX_LOGPROBS alternatives, prompt
+    scores past the row's tokens or on a verify row."""
+    for row in batch.rows:
+        spec = row.sample
+        if spec is not None and not spec.is_plain:
+            if (spec.penalties or spec.min_p) and not engine.supports_penalties:
+                raise InvalidArgument(f"the {engine.name} engine applies no penalties or min_p")
+            if spec.mask is not None and not engine.supports_masks:
+                raise InvalidArgument(f"the {engine.name} engine applies no token masks")
+            if spec.logprobs >= 0 and not engine.supports_logprobs:
+                raise InvalidArgument(f"the {engine.name} engine gives no log-probabilities")
+            if spec.logprobs > MAX_LOGPROBS:
+                raise InvalidArgument(f"{spec.logprobs} top log-probabilities asked; at most "
+                                      f"{MAX_LOGPROBS}")
+        if not row.score:
+            continue
+        if not engine.supports_scores:
+            raise InvalidArgument(f"the {engine.name} engine gives no prompt log-probabilities")
+        if len(row.score) > row.length or row.verify or not 0 <= row.score_top <= MAX_LOGPROBS:
+            raise InvalidArgument(f"prompt scores of {len(row.score)} tokens (top "
+                                  f"{row.score_top}) on a row of {row.length} tokens, verify "
+                                  f"{row.verify}: at most the row's tokens, top 0.."
+                                  f"{MAX_LOGPROBS}, not on a verify row")
+        check_token_ids(engine.config, row.score)
 
 
 def resolve_tokens(batch: Batch, last_picks: Sequence[int | None] | None) -> list[list[int]]:

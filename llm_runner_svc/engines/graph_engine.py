@@ -2,9 +2,11 @@
 
 The engine side (this module) is executor-independent: it owns the host KV pages
 (`graph_kv`), the logits and the sampler, and turns prefill / decode calls into graph steps.
-An executor (onnxruntime, TensorRT) only runs one step on host feeds and returns host
-outputs; it is opened in `preallocate()` (when the hidden layer is known) and closed in
-`close()`.
+Picks, their processing (penalties, masks, min-p) and log-probabilities come from the host
+code every host engine shares (batched.py); prompt scores do not, as the graphs give only each
+row's last logits. An executor (onnxruntime, TensorRT) only runs one step on host feeds and
+returns host outputs; it is opened in `preallocate()` (when the hidden layer is known) and
+closed in `close()`.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class StepExecutor(ABC):
 class GraphEngine(BatchedEngine):
     """Shared prefill / decode / sample over a `StepExecutor` chosen by the subclass."""
 
-    supports_verify = False  # its graphs give only each row's last logits
+    supports_verify = False  # its graphs give only each row's last logits,
+    supports_scores = False  # so neither verify picks nor prompt scores
 
     dtype: GraphDtype = GraphDtype.FP32
 

@@ -41,7 +41,8 @@ def sample_rows(logits: np.ndarray, specs: Sequence[SampleSpec]) -> list[int]:
 
 
 def _sample_one(row: np.ndarray, spec: SampleSpec) -> int:
-    """Temperature, then top-k, then top-p (nucleus) over the survivors, then one draw."""
+    """Temperature, then top-k, then top-p (nucleus) and min-p over the survivors, then one
+    draw."""
     cand, cum = _nucleus(row, spec)
     keep = cand.shape[0]
     target = spec.uniform * cum[keep - 1]
@@ -51,8 +52,9 @@ def _sample_one(row: np.ndarray, spec: SampleSpec) -> int:
 
 def _nucleus(row: np.ndarray, spec: SampleSpec) -> tuple[np.ndarray, np.ndarray]:
     """The tokens sampling may pick from `row` (temperature, top-k, then the smallest
-    prefix whose mass reaches top-p), most likely first, and the running sum of their
-    unnormalised probabilities (float64)."""
+    prefix whose mass reaches top-p, less those below min-p times the likeliest one's
+    probability), most likely first, and the running sum of their probabilities
+    (float64)."""
     vocab = row.shape[0]
     k = spec.top_k if 0 < spec.top_k < vocab else vocab
     # [k] ids of the k largest
@@ -71,6 +73,8 @@ def _nucleus(row: np.ndarray, spec: SampleSpec) -> tuple[np.ndarray, np.ndarray]
         keep = min(keep, cand.shape[0])
     else:
         keep = cand.shape[0]
+    if spec.min_p > 0.0:  # probs falls along cand: the survivors are a prefix
+        keep = min(keep, int(np.count_nonzero(probs >= spec.min_p * probs[0])))
     return cand[:keep], cum[:keep]
 
 
