@@ -7,7 +7,6 @@ import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol, cast
 
 from llm_runner_svc.errors import FailedPrecondition, InvalidArgument, NotFound, Unimplemented
 from llm_runner_svc.models import Model
@@ -105,10 +104,23 @@ def sampling_params(defaults: SamplingDefaults, req: StageRequest, seed: int = 0
                    logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
 
 
-class ConstraintChecker(Protocol):
-    def check_constraint(self, constraint: Constraint) -> None:
-        """Compile `constraint` (cached); GrammarError (an InvalidArgument) naming why it does
-        not, Unimplemented or FailedPrecondition when the engine cannot mask tokens."""
+def check_features(runtime: InferenceRuntime, req: StageRequest) -> None:
+    """Refuse at Admit what the stage's engine cannot give, rather than when the request
+    joins a Step stream: log-probabilities, prompt log-probabilities, penalties, min_p (a
+    value that leaves one off asks nothing)."""
+    engine = runtime.engine
+    asked = (("logprobs", req.logprobs is not None, "supports_logprobs",
+              "gives no log-probabilities"),
+             ("prompt_logprobs", req.prompt_logprobs is not None, "supports_scores",
+              "gives no prompt log-probabilities"),
+             ("penalties, min_p", bool(req.presence_penalty or req.frequency_penalty
+                                       or req.repetition_penalty not in (None, 1.0)
+                                       or req.min_p), "supports_penalties",
+              "applies no penalties or min_p"))
+    for name, is_asked, flag, does in asked:
+        if is_asked and not getattr(engine, flag, False):
+            raise Refused(Refusal.SAMPLING_OUT_OF_RANGE,
+                          f"{name}: engine {engine.name} {does}")
 
 
 def check_constraint(runtime: InferenceRuntime, constraint: Constraint) -> None:
@@ -116,7 +128,7 @@ def check_constraint(runtime: InferenceRuntime, constraint: Constraint) -> None:
     not compile, or the engine cannot mask tokens. Tens of milliseconds for a large schema
     the first time: the stage runs it on its worker thread, with tokenization."""
     try:
-        cast(ConstraintChecker, runtime).check_constraint(constraint)
+        runtime.check_constraint(constraint)
     except (InvalidArgument, Unimplemented, FailedPrecondition) as exc:
         reason = exc.message if "structured output" in exc.message else \
             f"structured output ({constraint.kind}) cannot be served: {exc.message}"

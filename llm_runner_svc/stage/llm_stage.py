@@ -29,6 +29,7 @@ from llm_runner_svc.stage.admission import (
     build_runtime_request,
     check_constraint,
     check_counts,
+    check_features,
     check_load,
     check_prompt,
     check_request,
@@ -219,6 +220,7 @@ class LlmStage(StageCore):
         try:
             check_request(self.config, self.model, self.runtime.max_seq, request, num_live,
                           self.adapters.names)
+            check_features(self.runtime, request)
             if self.images is not None:
                 self.images.check_types(request)
             prompt_ids = await self.tokenizer.run(lambda: self._tokenize(request))

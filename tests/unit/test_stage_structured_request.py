@@ -19,6 +19,7 @@ from llm_runner_svc.stage.admission import (
     Refused,
     build_runtime_request,
     check_constraint,
+    check_features,
     check_limits,
     check_request,
 )
@@ -160,3 +161,27 @@ def test_the_runtime_request_carries_every_new_field() -> None:
     assert (plain.sampling.presence_penalty, plain.sampling.repetition_penalty,
             plain.sampling.min_p, plain.sampling.logprobs, plain.constraint) == \
         (0.0, 1.0, 0.0, None, None)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(logprobs=0), "logprobs: engine plain gives no log-probabilities"),
+    (dict(prompt_logprobs=2), "prompt_logprobs: engine plain gives no prompt"),
+    (dict(presence_penalty=0.5), "penalties, min_p: engine plain applies no"),
+    (dict(min_p=0.1), "penalties, min_p: engine plain applies no"),
+], ids=["logprobs", "prompt_logprobs", "penalty", "min_p"])
+def test_what_the_engine_cannot_give_is_refused_at_admit(kw: dict, needle: str) -> None:
+    plain = SimpleNamespace(engine=SimpleNamespace(name="plain"))
+    with pytest.raises(Refused) as info:
+        check_features(plain, StageRequest("r", text="Hi", **kw))
+    assert info.value.refusal is Refusal.SAMPLING_OUT_OF_RANGE
+    assert needle in info.value.reason
+    able = SimpleNamespace(engine=SimpleNamespace(
+        name="able", supports_logprobs=True, supports_scores=True, supports_penalties=True))
+    check_features(able, StageRequest("r", text="Hi", **kw))
+
+
+def test_values_that_leave_a_feature_off_ask_nothing_of_the_engine() -> None:
+    plain = SimpleNamespace(engine=SimpleNamespace(name="plain"))
+    check_features(plain, StageRequest("r", text="Hi", presence_penalty=0.0,
+                                       frequency_penalty=0.0, repetition_penalty=1.0,
+                                       min_p=0.0))
