@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from google.protobuf import struct_pb2
@@ -10,6 +11,7 @@ from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.errors import InvalidArgument
 from services.stage.cohort import CohortEvent
 from services.stage.ending import FinishReason
+from services.stage.stepper import TokenScore
 
 _REASON_TO_PB: dict[FinishReason, pb.FinishReason] = {
     FinishReason.END_OF_SEQUENCE: pb.FINISH_REASON_END_OF_SEQUENCE,
@@ -64,9 +66,22 @@ def event_to_pb(ev: CohortEvent) -> pb.StepEvent:
             member.status = pb.MEMBER_STATUS_ENDED
             member.finish_reason = reason_to_pb(m.finish_reason)
             member.error = m.error or ""
+        if m.logprobs:  # asked for: otherwise nothing to do, per member and step
+            logprobs_to_pb(member.logprobs, m.logprobs)
+        if m.prompt_logprobs:
+            logprobs_to_pb(member.prompt_logprobs, m.prompt_logprobs)
     for r in ev.refused:
         out.refused.add(slot_id=r.slot_id, code=r.code, message=r.message)
     return out
+
+
+def logprobs_to_pb(out: Any, scores: Sequence[TokenScore]) -> None:
+    """Append `scores` to `out`, a repeated TokenLogprob field."""
+    add = out.add
+    for sc in scores:
+        top = sc.top
+        add(token_id=sc.token_id, logprob=sc.logprob, top_ids=[t for t, _ in top],
+            top_logprobs=[lp for _, lp in top])
 
 
 def struct_from(values: dict[str, Any]) -> struct_pb2.Struct:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from services.errors import ResourceExhausted, ServiceError
 from services.stage.ending import FinishReason
 from services.stage.slot import Slot
+from services.stage.stepper import TokenScore
 
 MAX_PENDING_REFUSALS = 1024
 # A member whose window holds at most this many events may be held within the steps in flight
@@ -35,6 +36,8 @@ class MemberUpdate:
     text: str
     finish_reason: FinishReason | None = None
     error: str | None = None
+    logprobs: Sequence[TokenScore] = ()  # one per token id, when the run asked
+    prompt_logprobs: Sequence[TokenScore] | None = None  # once, when the run asked
 
 
 @dataclass

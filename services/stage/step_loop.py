@@ -141,7 +141,7 @@ class StepLoop:
             if isinstance(cohort, Cohort) and not cohort.is_closed:
                 updates.setdefault(cohort, []).append(MemberUpdate(
                     slot.slot_id, is_ended, list(ev.token_ids), ev.text, ev.finish_reason,
-                    ev.error))
+                    ev.error, ev.logprobs, ev.prompt_logprobs))
                 if is_ended:
                     cohort.drop(slot.slot_id)
         for cohort, members in updates.items():

@@ -10,8 +10,21 @@ from typing import Any, Protocol
 from services.stage.ending import FinishReason
 
 
+class TokenScore(Protocol):
+    """A token's log-probability where it was produced, and the likeliest tokens there."""
+
+    @property
+    def token_id(self) -> int: ...
+    @property
+    def logprob(self) -> float: ...
+    @property
+    def top(self) -> Sequence[tuple[int, float]]: ...
+
+
 class RunEvent(Protocol):
-    """What one step did for one run."""
+    """What one step did for one run. `logprobs` (one per token id) and `prompt_logprobs`
+    (once, on the run's first event with tokens) only when the run asked for them: empty and
+    None otherwise."""
 
     @property
     def request_id(self) -> str: ...
@@ -25,6 +38,10 @@ class RunEvent(Protocol):
     def error(self) -> str | None: ...
     @property
     def metrics(self) -> Any: ...
+    @property
+    def logprobs(self) -> Sequence[TokenScore]: ...
+    @property
+    def prompt_logprobs(self) -> Sequence[TokenScore] | None: ...
 
 
 class Stepper(Protocol):
