@@ -10,6 +10,7 @@ through their proto names.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -82,16 +83,25 @@ class GenerateInput:
 
 @dataclass(frozen=True)
 class Delta:
-    """New output of one sink port: one or more steps' tokens and their text."""
+    """New output of one sink port: one or more steps' tokens and their text, and, when the
+    request asked, their log-probabilities (one per token id) and the prompt's (once). The
+    log-probabilities are the stage's messages, relayed as they came."""
 
     stage_id: str
     port: str
     token_ids: list[int]
     text: str
+    logprobs: Sequence[pb.TokenLogprob] = ()
+    prompt_logprobs: Sequence[pb.TokenLogprob] = ()
 
     def to_pb(self) -> opb.GenerateEvent:
-        return opb.GenerateEvent(delta=opb.Delta(stage_id=self.stage_id, port=self.port,
-                                                 token_ids=self.token_ids, text=self.text))
+        delta = opb.Delta(stage_id=self.stage_id, port=self.port, token_ids=self.token_ids,
+                          text=self.text)
+        if self.logprobs:
+            delta.logprobs.extend(self.logprobs)
+        if self.prompt_logprobs:
+            delta.prompt_logprobs.extend(self.prompt_logprobs)
+        return opb.GenerateEvent(delta=delta)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from services.orchestrator.codec import (
 from services.orchestrator.cohorts import CohortStream
 from services.orchestrator.replicas import Replica
 from services.orchestrator.routes import Route
-from services.orchestrator.updates import Item, UpdateBuffer
+from services.orchestrator.updates import Item, Scores, UpdateBuffer
 from services.telemetry import metadata_for, traceparent
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,8 @@ class RequestRun:
         self.is_cancelled = False
         self.trace_ctx = trace_ctx  # the request's root span: parent of every stage call
         self.has_first_token = False
+        # Log-probabilities to relay: looked at per delta only when the caller asked for them.
+        self.wants_scores = request.HasField("logprobs") or request.HasField("prompt_logprobs")
         # Bounded by each stage's member window (cohorts.MEMBER_WINDOW) plus its ending.
         self._updates = UpdateBuffer()
         self._by_stage = {p.stage_id: p for p in placements}
@@ -143,8 +145,13 @@ class RequestRun:
                         "first_token", {"llmstage.stage_id": stage_id})
                 elif self._updates.head_wait_s > PACING_LAG_S:  # never the first token
                     await asyncio.sleep(min(self._updates.head_wait_s, PACING_MAX_S))
-                token_ids, text = self._coalesce(stage_id, list(item.token_ids), item.text)
-                yield Delta(stage_id, sink_ports[stage_id], token_ids, text)
+                scores = Scores.of(item) if self.wants_scores else None
+                token_ids, text = self._coalesce(stage_id, list(item.token_ids), item.text,
+                                                 scores)
+                port = sink_ports[stage_id]
+                yield Delta(stage_id, port, token_ids, text) if scores is None else \
+                    Delta(stage_id, port, token_ids, text, scores.logprobs,
+                          scores.prompt_logprobs)
                 self._return_credits()
         yield await self._finish_all()
 
@@ -207,12 +214,13 @@ class RequestRun:
             raise DeadlineExceeded(f"request {self.request_id}: deadline exceeded")
         return left
 
-    def _coalesce(self, stage_id: str, token_ids: list[int], text: str
-                  ) -> tuple[list[int], str]:
+    def _coalesce(self, stage_id: str, token_ids: list[int], text: str,
+                  scores: Scores | None = None) -> tuple[list[int], str]:
         """Add to one delta the updates of `stage_id` already waiting behind it (a caller
         that reads slower than the stages step gets fewer, larger deltas instead of a growing
-        backlog). Stops at another stage's update, an ending or an error, which stays for
-        the next `_next_update`."""
+        backlog); their log-probabilities go to `scores` when given, in the same order.
+        Stops at another stage's update, an ending or an error, which stays for the next
+        `_next_update`."""
         while len(token_ids) < MAX_TOKENS_PER_DELTA:
             nxt = self._updates.peek()
             if nxt is None:
@@ -224,6 +232,8 @@ class RequestRun:
             self._updates.take()
             token_ids += update.token_ids
             text += update.text
+            if scores is not None:
+                scores.add(update)
         return token_ids, text
 
     def _return_credits(self) -> None:

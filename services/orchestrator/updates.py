@@ -4,7 +4,8 @@ taken yet, in arrival order.
 The cohort streams write it (`put`), the request's run reads it (`get`, `peek`, `take`). It
 keeps two counts per stage of the updates that spent one of the member's credits on the
 stage (`spends_credit`): those waiting, which the stage's member window bounds, and those
-taken since the run last handed credits back (`take_consumed`).
+taken since the run last handed credits back (`take_consumed`). `Scores` gathers the
+log-probabilities of the updates one delta joins.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.errors import ServiceError
@@ -83,3 +86,23 @@ class UpdateBuffer:
         consumed = {sid: n for sid, n in self._consumed.items() if n}
         self._consumed.clear()
         return consumed
+
+
+@dataclass
+class Scores:
+    """The log-probabilities of the updates one delta gathers: each update's `logprobs` in
+    the order of their token ids, and the prompt's, which one update of the request carries."""
+
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: Sequence[pb.TokenLogprob] = ()
+
+    @classmethod
+    def of(cls, update: pb.MemberUpdate) -> Scores:
+        scores = cls()
+        scores.add(update)
+        return scores
+
+    def add(self, update: pb.MemberUpdate) -> None:
+        self.logprobs.extend(update.logprobs)
+        if update.prompt_logprobs:
+            self.prompt_logprobs = update.prompt_logprobs

@@ -3,7 +3,8 @@ window in the same message, the stream credit of each event goes back at once, a
 credits go back only as its reader takes its updates (once the caller asks for the next
 event), a stage that ignores member windows is held through the stream credits the slow
 member keeps, whatever waits while a write is under way leaves as one message, and a relay
-whose loop falls behind gathers updates into fewer deltas."""
+whose loop falls behind gathers updates into fewer deltas (with one log-probability per token
+when the request asked for them)."""
 
 from __future__ import annotations
 
@@ -171,6 +172,7 @@ class FakeReplica:
     def __init__(self) -> None:
         self.grants: list[int] = []
         self.sink: UpdateBuffer | None = None
+        self.requests: list[Any] = []  # every control call's request, in order
         replies = {"Admit": pb.AdmitResponse(admitted=True), "Prepare": pb.PrepareResponse(),
                    "Finish": pb.FinishResponse(finish_reason=pb.FINISH_REASON_MAX_LENGTH,
                                                output_token_ids=[1, 2, 3, 4, 5]),
@@ -178,6 +180,7 @@ class FakeReplica:
 
         def rpc(reply: Any) -> Any:
             async def call(request: Any, **_: Any) -> Any:
+                self.requests.append(request)
                 return reply
             return call
         self.stub = type("Stub", (), {name: staticmethod(rpc(r)) for name, r in replies.items()})
@@ -192,11 +195,12 @@ class FakeReplica:
         self.grants.append(consumed)
 
 
-async def _joined_run(replica: FakeReplica) -> tuple[Any, asyncio.Future[Any]]:
+async def _joined_run(replica: FakeReplica, request: pb.GenerationRequest | None = None
+                      ) -> tuple[Any, asyncio.Future[Any]]:
     """A request's events over `replica` (slot 7), its first event asked for and the request
     joined (Admit and Prepare run on fake calls)."""
-    run = RequestRun("r", pb.GenerationRequest(text="Hi"), Route(("llm",), ("llm:text",)),
-                     [Placement("llm", replica, 7)], None)
+    run = RequestRun("r", request or pb.GenerationRequest(text="Hi"),
+                     Route(("llm",), ("llm:text",)), [Placement("llm", replica, 7)], None)
     events = run.events()
     first = asyncio.ensure_future(anext(events))
     while replica.sink is None:
@@ -255,5 +259,71 @@ def test_a_relay_that_falls_behind_gathers_updates_into_fewer_deltas() -> None:
         put(3)
         put(4)
         assert (await nxt).token_ids == [2, 3, 4]
+
+    asyncio.run(scenario())
+
+
+def test_a_slow_reader_gets_one_logprob_per_token_of_each_gathered_delta() -> None:
+    def scored(i: int, status: int = RUNNING, prompt: bool = False) -> pb.MemberUpdate:
+        lp = pb.TokenLogprob(token_id=i, logprob=-float(i))
+        return pb.MemberUpdate(slot_id=7, status=status, token_ids=[i], text="x", logprobs=[lp],
+                               prompt_logprobs=[pb.TokenLogprob(token_id=99)] if prompt else [])
+
+    async def scenario() -> None:
+        replica = FakeReplica()
+        events, first = await _joined_run(replica, pb.GenerationRequest(
+            text="Hi", logprobs=0, prompt_logprobs=0))
+        sink = replica.sink
+        assert sink is not None
+        sink.put(("llm", scored(0, prompt=True)))
+        for i in range(1, 4):
+            sink.put(("llm", scored(i)))
+        delta = await first
+        assert delta.token_ids == [0, 1, 2, 3]
+        assert [lp.token_id for lp in delta.logprobs] == delta.token_ids
+        assert [lp.token_id for lp in delta.prompt_logprobs] == [99]
+        sink.put(("llm", scored(4)))
+        sink.put(("llm", scored(5, ENDED)))
+        later, last = await anext(events), await anext(events)
+        assert [lp.token_id for lp in later.logprobs] == later.token_ids == [4]
+        assert [lp.token_id for lp in last.logprobs] == last.token_ids == [5]
+        assert not later.prompt_logprobs and not last.prompt_logprobs
+        wire = [d.to_pb().delta for d in (delta, later, last)]
+        assert [len(w.logprobs) for w in wire] == [len(w.token_ids) for w in wire] == [4, 1, 1]
+        assert isinstance(await anext(events), FinalReport)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_asked_no_logprobs_relays_none() -> None:
+    async def scenario() -> None:
+        replica = FakeReplica()
+        events, first = await _joined_run(replica)
+        assert replica.sink is not None
+        stray = pb.TokenLogprob(token_id=1)  # a stage's, unasked: not the caller's business
+        replica.sink.put(("llm", pb.MemberUpdate(slot_id=7, status=RUNNING, token_ids=[1],
+                                                 logprobs=[stray])))
+        delta = await first
+        assert delta.token_ids == [1] and not delta.logprobs and not delta.prompt_logprobs
+
+    asyncio.run(scenario())
+
+
+def test_the_stages_get_the_callers_request_unchanged() -> None:
+    request = pb.GenerationRequest(
+        text="Hi", logprobs=2, prompt_logprobs=1,
+        sampling=pb.SamplingOverrides(presence_penalty=0.5, frequency_penalty=0.25,
+                                      repetition_penalty=1.5, min_p=0.1),
+        structured_output=pb.StructuredOutput(choice=pb.ChoiceList(choices=["yes", "no"])))
+
+    async def scenario() -> None:
+        replica = FakeReplica()
+        await _joined_run(replica, request)
+        admit = next(r for r in replica.requests if isinstance(r, pb.AdmitRequest))
+        sent = pb.GenerationRequest()
+        sent.CopyFrom(admit.request)
+        assert sent.request_id == "r" and list(sent.ports) == []  # what the route sets
+        sent.ClearField("request_id")
+        assert sent == request
 
     asyncio.run(scenario())
