@@ -26,6 +26,9 @@ from llm_runner_svc.models.tokenizer import Tokenizer
 from llm_runner_svc.runtime.constraint import Constraint
 
 DEFAULT_CACHE_SIZE = 256  # compiled constraints kept
+# JSON is written compactly: with free whitespace between tokens a model can spend its whole
+# budget on newlines before the first brace (a schema may still ask for it with x-guidance)
+_JSON = {"whitespace_flexible": False}
 
 
 class GrammarError(InvalidArgument):
@@ -43,9 +46,10 @@ def grammar_text(constraint: Constraint) -> str:
             if not isinstance(schema, dict | bool):
                 raise GrammarError("structured output json_schema must be a JSON object, got "
                                    f"{type(schema).__name__}")
-            return str(llguidance.LLMatcher.grammar_from_json_schema(value))
+            return str(llguidance.LLMatcher.grammar_from_json_schema(value, defaults=_JSON))
         if kind == "json_object":
-            return str(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}))
+            return str(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                                     defaults=_JSON))
         if kind == "regex":
             assert isinstance(value, str)
             return str(llguidance.LLMatcher.grammar_from_regex(value))
