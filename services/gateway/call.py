@@ -1,53 +1,57 @@
-"""An OpenAI request body -> a `Call`: what one generation asks of the orchestrator.
+"""An OpenAI request body -> a `Call`: what one prompt's generations ask of the orchestrator.
 
 `parse_chat` and `parse_completions` (one Call per prompt of a batch; `parse_completion` for
-a single prompt) take the decoded JSON body and raise `InvalidArgument`
-(HTTP 400) naming the field (`param`) for anything malformed or not supported; they check
-temperature against OpenAI's [0, 2] but leave the ranges the stages own (top_p, top_k, the
-prompt's length) to the stage, which refuses them at Admit, and those reach the caller as 400
-too. Keys that change nothing here (`store`, `metadata`, `service_tier`, `priority`, ...) are
-ignored; every field OpenAI or vLLM defines that would change the output and that this service
-cannot honour (tools, log probabilities, penalties, min_p, guided decoding, beam search, several
-choices, ...) is refused rather than silently ignored, unless its value asks for nothing
-(repetition_penalty 1, min_p 0, ...). Extensions beyond OpenAI are top-level keys (what the
-`openai` client's `extra_body` sends): `top_k`, `ignore_eos`, `lora`, `disable_spec_decode`.
+a single prompt) take the decoded JSON body and raise `BadField` (HTTP 400) naming the field
+(`param`) for anything malformed or not supported; they check the ranges OpenAI states
+(temperature [0, 2], penalties [-2, 2], min_p [0, 1], at most 20 log-probabilities) but leave
+the ones the stages own (top_p, top_k, the prompt's length) to the stage, which refuses them at
+Admit, and those reach the caller as 400 too. Keys that change nothing here (`store`,
+`metadata`, `service_tier`, `priority`, ...) are ignored; every field OpenAI or vLLM defines
+that would change the output and that this service cannot honour (`suffix`,
+`reasoning_effort`, beam search, `min_tokens`, ...) is refused rather than silently ignored,
+unless its value asks for nothing (min_tokens 0, use_beam_search false, ...). Honoured:
+structured output (constraints.py), tools (tools.py), log-probabilities, `echo`, `n`, the
+penalties, min_p. Extensions beyond OpenAI are top-level keys (what the `openai` client's
+`extra_body` sends): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `lora`,
+`disable_spec_decode`, vLLM's `guided_*` and `structured_outputs`.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import math
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.errors import InvalidArgument
+from services.gateway.constraints import Constraint, constraint_of, exclusive
+from services.gateway.errors import BadField
+from services.gateway.messages import Messages, messages_of
+from services.gateway.tools import ToolPlan, tool_plan_of
+
+__all__ = ["BadField", "Call", "Sampling", "messages_of", "parse_chat", "parse_completion",
+           "parse_completions"]
 
 MAX_SEED = (1 << 64) - 1
 MAX_TOKEN_ID = (1 << 31) - 1
-# OpenAI's roles; "developer" is its newer name for "system".
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_LOGPROBS = 20  # the contract's most alternatives per position
+MAX_CHOICES = 128  # n: each choice is its own Generate call
+MAX_PENALTY = 2.0  # OpenAI's presence and frequency penalties are in [-2, 2]
 # Fields that change the output, refused unless their value asks for nothing (None, False, 0,
 # 1, ...): OpenAI's, then vLLM's sampling and structured-output extensions. Nothing that would
 # change what a request generates is ignored.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "best_of": (None, 1),
-    "echo": (None, False), "suffix": (None, ""), "audio": (None,), "prediction": (None,),
+    "functions": (None, []), "function_call": (None, "none"),
+    "suffix": (None, ""), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
     "modalities": (None, ["text"]),
-    "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0),
+    "min_tokens": (None, 0),
     "length_penalty": (None, 1), "use_beam_search": (None, False),
     "early_stopping": (None, False), "stop_token_ids": (None, []),
     "bad_words": (None, []), "allowed_token_ids": (None,), "logits_processors": (None, []),
     "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,),
     "prompt_logprobs": (None,), "typical_p": (None, 1), "top_a": (None, 0),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "guided_whitespace_pattern": (None,),
-    "structural_tag": (None,), "structured_outputs": (None,),
+    "guided_whitespace_pattern": (None,), "structural_tag": (None,),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
     "chat_template": (None,), "chat_template_kwargs": (None, {}),
     "documents": (None, []), "mm_processor_kwargs": (None, {}),
@@ -55,21 +59,18 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
     "vllm_xargs": (None, {}),
 }
+# Refused by one endpoint only: a chat turn is not echoed; tools are chat's.
+_UNSUPPORTED_BY_KIND: dict[str, dict[str, tuple[Any, ...]]] = {
+    "chat": {"echo": (None, False)},
+    "completion": {"tools": (None, []), "tool_choice": (None, "none"),
+                   "top_logprobs": (None, 0)},
+}
+_WHY = {"reasoning_effort": "no reasoning model is served here",
+        "suffix": "insertion (a text after the completion) is not supported"}
 # Special tokens the prompt's tokenization adds: the stage adds the model's BOS to a text prompt
 # (vLLM's completions default) and none to a rendered conversation (its chat default).
 _ADD_SPECIAL_TOKENS = {"chat": (None, False), "completion": (None, True)}
-# Tool calls are refused (tools above): parallel_tool_calls, true or false, asks nothing.
-_BOOLEANS = ("parallel_tool_calls",)
 MAX_TEMPERATURE = 2.0  # OpenAI's limit
-_RESPONSE_FORMATS = (None, {"type": "text"})
-
-
-class BadField(InvalidArgument):
-    """A malformed or unsupported field; `param` names it as OpenAI's error bodies do."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,15 @@ class Sampling:
     top_k: int | None = None
     max_tokens: int | None = None
     seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
 
 
 @dataclass(frozen=True)
 class Call:
-    """One generation: exactly one of `text`, `token_ids`, `messages` is set."""
+    """One prompt's generation(s): exactly one of `text`, `token_ids`, `messages` is set."""
 
     kind: str  # "chat" or "completion"
     model: str
@@ -93,9 +98,7 @@ class Call:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
-    # (role, content), oldest first; content with images is parts: text (str) and images
-    # (int, an index into `images`)
-    messages: tuple[tuple[str, str | tuple[str | int, ...]], ...] | None = None
+    messages: Messages | None = None
     images: tuple[tuple[str, bytes], ...] = ()  # (MIME type, encoded bytes) of image_url parts
     sampling: Sampling = field(default_factory=Sampling)
     stop: tuple[str, ...] = ()
@@ -104,6 +107,26 @@ class Call:
     ignore_eos: bool = False
     disable_spec_decode: bool = False  # decode plainly on a speculative runner
     lora: str = ""
+    n: int = 1  # choices: each its own generation (seed + i when a seed is given)
+    constraint: Constraint | None = None
+    tools: ToolPlan | None = None
+    logprobs: int | None = None  # the generated tokens': None none, k the top k too
+    echo: bool = False  # a completion's text starts with its prompt
+    # echo with max_tokens 0: the stage generates at least one token, which is dropped
+    is_prompt_only: bool = False
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """The prompt's log-probabilities are asked for by echo with logprobs."""
+        return self.logprobs if self.echo else None
+
+    def for_choice(self, index: int) -> Call:
+        """The Call of choice `index` of n: the seed moved by the index, so the choices
+        differ and each is reproducible."""
+        seed = self.sampling.seed
+        if index == 0 or seed is None:
+            return self
+        return replace(self, sampling=replace(self.sampling, seed=(seed + index) & MAX_SEED))
 
 
 def parse_chat(body: Any) -> Call:
@@ -113,9 +136,21 @@ def parse_chat(body: Any) -> Call:
     max_tokens = _opt_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", 1)
+    plan = tool_plan_of(body)
     images: list[tuple[str, bytes]] = []
-    return Call(kind="chat", messages=messages_of(body.get("messages"), images),
-                images=tuple(images), **_common(body, max_tokens))
+    messages = messages_of(body.get("messages"), images)
+    if plan is not None:
+        messages = _with_system(messages, plan.prompt())
+    is_logprobs = _opt_bool(body, "logprobs")
+    top = _opt_int(body, "top_logprobs", 0)
+    if top is not None and top > MAX_LOGPROBS:
+        raise BadField("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}]")
+    if top and not is_logprobs:
+        raise BadField("top_logprobs", "top_logprobs needs logprobs: true")
+    constraint = exclusive(constraint_of(body), plan.constraint() if plan else None)
+    return Call(kind="chat", messages=messages, images=tuple(images), tools=plan,
+                logprobs=(top or 0) if is_logprobs else None,
+                **_common(body, max_tokens, constraint))
 
 
 def parse_completion(body: Any) -> Call:
@@ -128,12 +163,21 @@ def parse_completion(body: Any) -> Call:
 
 def parse_completions(body: Any) -> tuple[Call, ...]:
     """A `/v1/completions` body: one Call per prompt. `prompt` is a string, a list of token
-    ids, or a list of several of either (a batch: choice i answers prompt i). A batch does not
-    stream (refused naming `stream`)."""
+    ids, or a list of several of either (a batch: choices i*n .. i*n+n-1 answer prompt i). A
+    batch does not stream (refused naming `stream`)."""
     body = _object(body)
     _refuse_unsupported(body, "completion")
     prompt = body.get("prompt")
-    common = _common(body, _opt_int(body, "max_tokens", 1))
+    is_echo = bool(_opt_bool(body, "echo"))
+    max_tokens = _opt_int(body, "max_tokens", 0 if is_echo else 1)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not (_is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS):
+        raise BadField("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (the "
+                       "alternatives listed per token)")
+    # The stage refuses max_tokens 0 (a request generates at least one token): a prompt-only
+    # echo asks for one and drops it.
+    common = _common(body, 1 if max_tokens == 0 else max_tokens, constraint_of(body))
+    common.update(echo=is_echo, logprobs=logprobs, is_prompt_only=max_tokens == 0)
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
                                    and all(_is_int(t) for t in prompt)):
         return (_completion(prompt, "prompt", common),)
@@ -156,12 +200,19 @@ def _completion(prompt: Any, where: str, common: dict[str, Any]) -> Call:
     raise BadField("prompt", f"{where} must be a string or a non-empty list of token ids")
 
 
-def _common(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
+def _common(body: dict[str, Any], max_tokens: int | None, constraint: Constraint | None
+            ) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadField("model", "model is required (GET /v1/models lists them)")
-    if body.get("n") not in (None, 1):
-        raise BadField("n", "n must be 1: one choice per request")
+    n = _opt_int(body, "n", 1) or 1
+    if n > MAX_CHOICES:
+        raise BadField("n", f"n must be in [1, {MAX_CHOICES}]")
+    best_of = _opt_int(body, "best_of", 1)
+    if best_of not in (None, n):
+        raise BadField("best_of", f"best_of must equal n ({n}): this server returns every "
+                       "generation it runs and ranks none")
+    _opt_bool(body, "parallel_tool_calls")  # honoured with tools (tools.py)
     is_stream = _opt_bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not (is_stream and isinstance(options, dict)):
@@ -170,10 +221,6 @@ def _common(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
     if _opt_bool(options or {}, "continuous_usage_stats"):
         raise BadField("stream_options", "stream_options.continuous_usage_stats is not "
                        "supported: the usage comes in the last chunk (include_usage)")
-    temperature = _opt_float(body, "temperature")
-    if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
-        raise BadField("temperature", f"temperature must be in [0, {MAX_TEMPERATURE:g}], "
-                       f"got {temperature:g}")
     seed = _opt_int(body, "seed", 0)
     if seed is not None and seed > MAX_SEED:
         raise BadField("seed", "seed must be in [0, 2^64)")
@@ -183,14 +230,28 @@ def _common(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
     lora = body.get("lora")
     if lora is not None and not isinstance(lora, str):
         raise BadField("lora", "lora must be a string (an adapter name)")
-    sampling = Sampling(temperature=temperature,
-                        top_p=_opt_float(body, "top_p"), top_k=_opt_int(body, "top_k", 0),
-                        max_tokens=max_tokens, seed=seed)
+    sampling = Sampling(
+        temperature=_ranged(body, "temperature", 0, MAX_TEMPERATURE),
+        top_p=_opt_float(body, "top_p"), top_k=_opt_int(body, "top_k", 0),
+        max_tokens=max_tokens, seed=seed,
+        presence_penalty=_ranged(body, "presence_penalty", -MAX_PENALTY, MAX_PENALTY),
+        frequency_penalty=_ranged(body, "frequency_penalty", -MAX_PENALTY, MAX_PENALTY),
+        repetition_penalty=_ranged(body, "repetition_penalty", 0, math.inf, is_low_open=True),
+        min_p=_ranged(body, "min_p", 0, 1))
     return {"model": model, "is_stream": bool(is_stream), "include_usage": include_usage,
             "sampling": sampling, "stop": _stop(body.get("stop")),
             "logit_bias": _logit_bias(body.get("logit_bias")), "user": user or "",
             "ignore_eos": bool(_opt_bool(body, "ignore_eos")), "lora": lora or "",
-            "disable_spec_decode": bool(_opt_bool(body, "disable_spec_decode"))}
+            "disable_spec_decode": bool(_opt_bool(body, "disable_spec_decode")), "n": n,
+            "constraint": constraint}
+
+
+def _with_system(messages: Messages, text: str) -> Messages:
+    """`text` as the conversation's system message: after the first one's text, or a new
+    first message (chat templates take the system message first)."""
+    if messages[0][0] == "system" and isinstance(messages[0][1], str):
+        return (("system", f"{messages[0][1]}\n\n{text}"), *messages[1:])
+    return (("system", text), *messages)
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -200,84 +261,17 @@ def _object(body: Any) -> dict[str, Any]:
 
 
 def _refuse_unsupported(body: dict[str, Any], kind: str) -> None:
-    for key, neutral in (*_UNSUPPORTED.items(), ("add_special_tokens", _ADD_SPECIAL_TOKENS[kind])):
+    for key, neutral in (*_UNSUPPORTED.items(), *_UNSUPPORTED_BY_KIND[kind].items(),
+                         ("add_special_tokens", _ADD_SPECIAL_TOKENS[kind])):
         if key in body and not _asks_nothing(body[key], neutral):
-            raise BadField(key, f"{key} is not supported by this server (it would change the "
-                           "output)")
-    if not _asks_nothing(body.get("response_format"), _RESPONSE_FORMATS):
-        raise BadField("response_format", "response_format other than text is not supported")
-    for key in _BOOLEANS:
-        _opt_bool(body, key)
+            why = _WHY.get(key, "it would change the output")
+            raise BadField(key, f"{key} is not supported by this server ({why})")
 
 
 def _asks_nothing(value: Any, neutral: tuple[Any, ...]) -> bool:
     """Whether `value` is one of `neutral`, a boolean never standing for a number (True == 1
     in Python) nor a number for a boolean."""
     return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
-
-
-def messages_of(value: Any, images: list[tuple[str, bytes]]
-                ) -> tuple[tuple[str, str | tuple[str | int, ...]], ...]:
-    """A chat body's `messages` as (role, content) pairs, each image appended to `images`."""
-    if not isinstance(value, list) or not value:
-        raise BadField("messages", "messages must be a non-empty list")
-    out = []
-    for i, msg in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise BadField(where, f"{where} must be an object")
-        role = _ROLES.get(msg.get("role"))  # type: ignore[arg-type]
-        if role is None:
-            raise BadField(f"{where}.role", f"{where}.role must be one of "
-                           f"{', '.join(sorted(_ROLES))}, got {msg.get('role')!r}")
-        if msg.get("tool_calls") not in (None, []):
-            raise BadField(f"{where}.tool_calls", f"{where}.tool_calls: tool calls are not "
-                           "supported by this server")
-        content = msg.get("content")
-        if content is None and role == "assistant":
-            content = ""  # OpenAI's shape of an assistant turn that only called tools
-        out.append((role, _content(content, f"{where}.content", images)))
-    return tuple(out)
-
-
-def _content(value: Any, where: str, images: list[tuple[str, bytes]]
-             ) -> str | tuple[str | int, ...]:
-    """A message's content: a string, text parts joined, or (with image_url parts) its
-    parts, each image appended to `images` and named by its index there."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        parts: list[str | int] = []
-        for i, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            elif kind == "image_url":
-                images.append(_data_url(part.get("image_url"), f"{where}[{i}].image_url"))
-                parts.append(len(images) - 1)
-            else:
-                raise BadField(where, f"{where}: only text and image_url parts are supported")
-        if all(isinstance(p, str) for p in parts):
-            return "".join(p for p in parts if isinstance(p, str))
-        return tuple(parts)
-    raise BadField(where, f"{where} must be a string or a list of text and image_url parts")
-
-
-def _data_url(value: Any, where: str) -> tuple[str, bytes]:
-    """An image_url's `url` as (MIME type, bytes): only base64 data: URLs (this server
-    fetches nothing)."""
-    url = value.get("url") if isinstance(value, dict) else None
-    if not isinstance(url, str):
-        raise BadField(where, f"{where}.url must be a string")
-    match = re.fullmatch(r"data:([\w.+/-]+);base64,(.*)", url, flags=re.S)
-    if match is None:
-        raise BadField(where, f"{where}.url: only data:<mime>;base64,... URLs are supported "
-                       "(this server fetches no remote images)")
-    try:
-        data = base64.b64decode(match.group(2), validate=True)
-    except binascii.Error as exc:
-        raise BadField(where, f"{where}.url: the base64 data does not decode ({exc})") from exc
-    return match.group(1), data
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -331,6 +325,16 @@ def _opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
     if not _is_int(value) or value < minimum:
         raise BadField(key, f"{key} must be an integer >= {minimum}")
     return int(value)
+
+
+def _ranged(body: dict[str, Any], key: str, low: float, high: float,
+            is_low_open: bool = False) -> float | None:
+    """An optional number in [low, high] ((low, high] when `is_low_open`)."""
+    value = _opt_float(body, key)
+    if value is not None and (value < low or value > high or (is_low_open and value == low)):
+        span = f"{'(' if is_low_open else '['}{low:g}, {high:g}]".replace("inf]", "inf)")
+        raise BadField(key, f"{key} must be in {span}, got {value:g}")
+    return value
 
 
 def _opt_float(body: dict[str, Any], key: str) -> float | None:

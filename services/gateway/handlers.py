@@ -11,20 +11,21 @@ which closes the Generate call and so cancels the request on every stage.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Iterable
 
 from aiohttp import web
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.errors import Internal, InvalidArgument, ServiceError
+from services.errors import InvalidArgument, ServiceError
+from services.gateway.answers import ChoiceStream, whole_choice
 from services.gateway.call import Call, parse_chat, parse_completions
 from services.gateway.config import GatewayConfig
 from services.gateway.middleware import METRICS, json_error, route_of
+from services.gateway.runs import Merged, jobs_of, prompt_of, run_all
 from services.gateway.shapes import (
     DONE,
     GENERATION_FAILED,
@@ -43,14 +44,11 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_chat(await body_of(request)), "chatcmpl-")
+    return await _generate(request, (parse_chat(await body_of(request)),), "chatcmpl-")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    calls = parse_completions(await body_of(request))
-    if len(calls) == 1:
-        return await _generate(request, calls[0], "cmpl-")
-    return await _batch(request, calls, "cmpl-")
+    return await _generate(request, parse_completions(await body_of(request)), "cmpl-")
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -93,116 +91,95 @@ async def body_of(request: web.Request) -> object:
         raise InvalidArgument("the request body is not valid JSON") from None
 
 
-async def _generate(request: web.Request, call: Call, prefix: str) -> web.StreamResponse:
+async def _generate(request: web.Request, calls: tuple[Call, ...], prefix: str
+                    ) -> web.StreamResponse:
+    """Every choice of the request: n per prompt (runs.py), shaped (answers.py)."""
     upstream = request.app[UPSTREAM]
-    await upstream.check_model(call.model)
+    first = calls[0]
+    await upstream.check_model(first.model)
     request_id = prefix + uuid.uuid4().hex
     trace.get_current_span().set_attributes({
-        "llmstage.request_id": request_id, "gen_ai.request.model": call.model,
-        "gen_ai.request.stream": call.is_stream, **({"enduser.id": call.user} if call.user
-                                                    else {})})
-    shaper = Shaper.create(call.kind, request_id, call.model)
-    events = upstream.generate(call, request_id, request.app[CONFIG].request_timeout_s)
-    try:
-        if call.is_stream:
-            return await _stream(request, events, shaper, call.include_usage)
-        return await _whole(events, shaper)
-    finally:
-        await events.aclose()  # cancels the call when the client went away first
+        "llmstage.request_id": request_id, "gen_ai.request.model": first.model,
+        "gen_ai.request.stream": first.is_stream, "gen_ai.request.choice.count": first.n,
+        "llmstage.num_prompts": len(calls),
+        **({"enduser.id": first.user} if first.user else {})})
+    shaper = Shaper.create(first.kind, request_id, first.model)
+    jobs = jobs_of(calls, request_id)
+    prompts = [await prompt_of(upstream, call) for call in calls]
 
+    def texts(ids: Iterable[int]) -> Awaitable[dict[int, str]]:
+        return upstream.token_texts(first.model, ids)
 
-async def _whole(events: AsyncIterator[Piece | Outcome], shaper: Shaper) -> web.Response:
-    text, outcome = await _read(events)
-    if outcome.finish_reason == "error":
-        return json_error(GENERATION_FAILED, failed_generation(outcome))
-    return web.json_response(shaper.whole(text, outcome),
-                             headers={"X-Request-Id": shaper.request_id})
-
-
-async def _read(events: AsyncIterator[Piece | Outcome]) -> tuple[str, Outcome]:
-    """A whole Generate stream: its text and its outcome."""
-    parts: list[str] = []
-    outcome = None
-    async for ev in events:
-        if isinstance(ev, Piece):
-            parts.append(ev.text)
-        else:
-            outcome = ev
-    if outcome is None:
-        raise Internal("the Generate stream ended without a final report")
-    return "".join(parts), outcome
-
-
-async def _batch(request: web.Request, calls: tuple[Call, ...], prefix: str) -> web.Response:
-    """Several prompts of one request: each its own Generate call, as many at once as the
-    orchestrator runs (its maxRunning: more would only wait in its queue, and a batch larger
-    than the queue would be refused); choice i answers prompt i, the usage is their sum. The
-    first to fail fails the request and cancels the others."""
-    upstream = request.app[UPSTREAM]
-    await upstream.check_model(calls[0].model)
-    request_id = prefix + uuid.uuid4().hex
-    trace.get_current_span().set_attributes({
-        "llmstage.request_id": request_id, "gen_ai.request.model": calls[0].model,
-        "llmstage.num_prompts": len(calls)})
     timeout_s = request.app[CONFIG].request_timeout_s
-
-    in_flight = asyncio.Semaphore(upstream.max_running)
-
-    async def one(i: int, call: Call) -> tuple[str, Outcome]:
-        async with in_flight:
-            events = upstream.generate(call, f"{request_id}-{i}", timeout_s)
-            try:
-                return await _read(events)
-            finally:
-                await events.aclose()
-
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(one(i, call)) for i, call in enumerate(calls)]
-    except ExceptionGroup as failures:  # the first prompt's error answers (its HTTP status)
-        raise failures.exceptions[0] from None
-    answers = [task.result() for task in tasks]
-    failed = next((outcome for _, outcome in answers if outcome.finish_reason == "error"), None)
+    if first.is_stream:
+        streams = [ChoiceStream(job.call, job.index, prompts[0], texts) for job in jobs]
+        return await _stream(request, Merged(upstream, jobs, timeout_s), streams, shaper,
+                             first.include_usage)
+    gens = await run_all(upstream, jobs, timeout_s)
+    failed = next((g.outcome for g in gens if g.outcome and g.outcome.finish_reason == "error"),
+                  None)
     if failed is not None:
         return json_error(GENERATION_FAILED, failed_generation(failed))
-    shaper = Shaper.create(calls[0].kind, request_id, calls[0].model)
-    return web.json_response(shaper.batch(answers), headers={"X-Request-Id": request_id})
+    choices = [await whole_choice(job.call, job.index, gen, prompts[job.index // first.n],
+                                  texts) for job, gen in zip(jobs, gens, strict=True)]
+    outcomes = [gen.outcome for gen in gens if gen.outcome is not None]
+    return web.json_response(shaper.whole(choices, outcomes, first.n),
+                             headers={"X-Request-Id": request_id})
 
 
-async def _stream(request: web.Request, events: AsyncIterator[Piece | Outcome], shaper: Shaper,
-                  include_usage: bool) -> web.StreamResponse:
+async def _stream(request: web.Request, merged: Merged, streams: list[ChoiceStream],
+                  shaper: Shaper, include_usage: bool) -> web.StreamResponse:
+    """Every choice's chunks, interleaved as they come; [DONE] once all have ended."""
     t0 = time.perf_counter()
-    first = await anext(events, None)  # what fails before this is an HTTP error status
-    if isinstance(first, Outcome) and first.finish_reason == "error":
-        return json_error(GENERATION_FAILED, failed_generation(first))
-    response = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": shaper.request_id})
-    await response.prepare(request)
+    try:
+        # what fails before every choice's first event is an HTTP error status
+        held: list[tuple[int, Piece | Outcome | Exception]] = []
+        while len({i for i, _ in held}) < len(streams):
+            index, ev = await merged.next()
+            if isinstance(ev, Exception):
+                raise ev
+            if isinstance(ev, Outcome) and ev.finish_reason == "error":
+                return json_error(GENERATION_FAILED, failed_generation(ev))
+            held.append((index, ev))
+        response = web.StreamResponse(headers={**_SSE_HEADERS,
+                                               "X-Request-Id": shaper.request_id})
+        await response.prepare(request)
+        await _relay(request, merged, held, streams, shaper, response, t0, include_usage)
+    finally:
+        await merged.close()  # cancels the calls still running when the client went away
+    await response.write_eof()
+    return response
+
+
+async def _relay(request: web.Request, merged: Merged,
+                 held: list[tuple[int, Piece | Outcome | Exception]],
+                 streams: list[ChoiceStream], shaper: Shaper, response: web.StreamResponse,
+                 t0: float, include_usage: bool) -> None:
     ttft = request.app[METRICS].ttft.labels(route_of(request))
+    outcomes: dict[int, Outcome] = {}
     is_first = True
     try:
-        ev = first
-        while ev is not None:
+        while len(outcomes) < len(streams):
+            index, ev = held.pop(0) if held else await merged.next()
+            if isinstance(ev, Exception):
+                raise ev
             if isinstance(ev, Piece):
                 if is_first:
                     ttft.observe(time.perf_counter() - t0)
-                await response.write(shaper.chunk(ev.text, is_first=is_first))
-                is_first = False
+                    is_first = False
+                choices = await streams[index].piece(ev)
             elif ev.finish_reason == "error":
                 await response.write(event(failed_generation(ev)))
-                break
+                return
             else:
-                if is_first and shaper.kind == "chat":  # no text at all: still name the role
-                    await response.write(shaper.chunk("", is_first=True))
-                await response.write(shaper.last_chunk(ev))
-                if include_usage:
-                    await response.write(shaper.usage_chunk(ev))
-                await response.write(DONE)
-                break
-            ev = await anext(events, None)
-        else:
-            raise Internal("the Generate stream ended without a final report")
+                outcomes[index] = ev
+                choices = await streams[index].end(ev)
+            for choice in choices:
+                await response.write(shaper.chunk([choice]))
+        if include_usage:
+            n = len(streams)
+            await response.write(shaper.usage_chunk([outcomes[i] for i in range(n)], n))
+        await response.write(DONE)
     except ServiceError as exc:  # after the 200: the stream ends with an error event
         trace.get_current_span().record_exception(exc)
         await response.write(event(error_for(exc)[1]))
-    await response.write_eof()
-    return response

@@ -1,24 +1,19 @@
-"""OpenAI-shaped JSON: whole answers, stream chunks, error bodies, and the HTTP status of
-every typed error.
-
-Finish reasons: our end_of_sequence and stop_words are OpenAI's "stop", max_length its
-"length"; a request cancelled on the server side (the orchestrator's Cancel) ends "cancelled".
-Each choice also carries `stop_reason`, our own name of why it ended. A request that failed on
-a stage (finish reason error) is not a bug of the gateway's: 502 with the stage's message.
+"""OpenAI-shaped JSON: whole answers and stream chunks around their choices (answers.py),
+the usage, error bodies, and the HTTP status of every typed error. A request that failed on a
+stage (finish reason error) is not a bug of the gateway's: 502 with the stage's message.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from services.errors import ServiceError
 from services.gateway.upstream import Outcome
 
-_FINISH = {"end_of_sequence": "stop", "stop_words": "stop", "max_length": "length",
-           "cancelled": "cancelled", "error": "error"}
 # gRPC status name -> (HTTP status, OpenAI error type).
 _STATUS: dict[str, tuple[int, str]] = {
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
@@ -68,11 +63,13 @@ def failed_generation(outcome: Outcome) -> dict[str, Any]:
                       "generation_failed")
 
 
-def usage(*outcomes: Outcome) -> dict[str, int]:
-    """The usage of one or several generations. A generation that ended on its end-of-sequence
-    token generated that token too: it counts among the completion tokens, as vLLM and OpenAI
-    count it (the stage reports the tokens it delivered, which leave it out)."""
-    prompt = sum(o.prompt_tokens for o in outcomes)
+def usage(outcomes: Sequence[Outcome], n: int = 1) -> dict[str, int]:
+    """The usage of the generations of one request: n choices per prompt, in prompt order
+    (the prompt counts once, as OpenAI counts it). A generation that ended on its
+    end-of-sequence token generated that token too: it counts among the completion tokens, as
+    vLLM and OpenAI count it (the stage reports the tokens it delivered, which leave it
+    out)."""
+    prompt = sum(o.prompt_tokens for o in outcomes[::n])
     completion = sum(o.completion_tokens + (o.finish_reason == "end_of_sequence")
                      for o in outcomes)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -81,7 +78,8 @@ def usage(*outcomes: Outcome) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class Shaper:
-    """The answers of one request: `kind` "chat" or "completion"."""
+    """The answers of one request: `kind` "chat" or "completion"; the choices themselves are
+    answers.py's."""
 
     kind: str
     request_id: str
@@ -97,52 +95,20 @@ class Shaper:
         return {"id": self.request_id, "object": obj + suffix, "created": self.created,
                 "model": self.model}
 
-    def whole(self, text: str, outcome: Outcome) -> dict[str, Any]:
+    def whole(self, choices: list[dict[str, Any]], outcomes: Sequence[Outcome], n: int
+              ) -> dict[str, Any]:
         """The non-streaming answer."""
-        return self.batch([(text, outcome)])
+        return {**self._head(), "choices": choices, "usage": usage(outcomes, n)}
 
-    def batch(self, answers: list[tuple[str, Outcome]]) -> dict[str, Any]:
-        """The non-streaming answer of one or several generations: choice i is answers[i]."""
-        choices = []
-        for i, (text, outcome) in enumerate(answers):
-            choice: dict[str, Any] = {"index": i}
-            if self.kind == "chat":
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            choice.update(logprobs=None, finish_reason=_FINISH[outcome.finish_reason],
-                          stop_reason=outcome.finish_reason)
-            choices.append(choice)
-        return {**self._head(), "choices": choices,
-                "usage": usage(*(outcome for _, outcome in answers))}
-
-    def chunk(self, text: str, *, is_first: bool = False) -> bytes:
-        """One server-sent event with new text (the first chat chunk names the role)."""
-        if self.kind == "chat":
-            delta = {"role": "assistant", "content": text} if is_first else {"content": text}
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
-        else:
-            choice = {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason=None)
+    def chunk(self, choices: list[dict[str, Any]]) -> bytes:
+        """One server-sent event carrying `choices` (each naming its index)."""
         return event({**self._head(".chunk" if self.kind == "chat" else ""),
-                      "choices": [choice]})
+                      "choices": choices})
 
-    def last_chunk(self, outcome: Outcome) -> bytes:
-        """The event carrying the finish reason (no new text)."""
-        choice: dict[str, Any] = {"index": 0}
-        if self.kind == "chat":
-            choice["delta"] = {}
-        else:
-            choice["text"] = ""
-        choice.update(logprobs=None, finish_reason=_FINISH[outcome.finish_reason],
-                      stop_reason=outcome.finish_reason)
-        return event({**self._head(".chunk" if self.kind == "chat" else ""),
-                      "choices": [choice]})
-
-    def usage_chunk(self, outcome: Outcome) -> bytes:
+    def usage_chunk(self, outcomes: Sequence[Outcome], n: int) -> bytes:
         """stream_options.include_usage: a last chunk with no choices and the usage."""
         return event({**self._head(".chunk" if self.kind == "chat" else ""), "choices": [],
-                      "usage": usage(outcome)})
+                      "usage": usage(outcomes, n)})
 
 
 def event(payload: dict[str, Any]) -> bytes:

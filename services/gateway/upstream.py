@@ -14,9 +14,10 @@ touches the contract's messages.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -28,9 +29,11 @@ from services.contract.llmstage.v1 import orchestrator_pb2_grpc
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.errors import DeadlineExceeded, NotFound, ServiceError, Unavailable, error_for
 from services.gateway.call import Call
+from services.gateway.constraints import Constraint
 from services.telemetry import metadata_for
 
 log = logging.getLogger(__name__)
+_DETOKENIZE_AT_ONCE = 64  # Detokenize calls in flight for one request's token texts
 
 _FINISH_NAMES = {
     pb.FINISH_REASON_END_OF_SEQUENCE: "end_of_sequence",
@@ -42,11 +45,26 @@ _FINISH_NAMES = {
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability where it stood, and the likeliest alternatives there
+    (`top`: (token id, log-probability), likeliest first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Piece:
-    """New text of the request's sink: one or more steps' tokens."""
+    """New text of the request's sink: one or more steps' tokens; with log-probabilities
+    asked for, one per token (`logprobs`) and, on the first piece, the prompt's from its
+    second token on (`prompt_logprobs`)."""
 
     text: str
     num_tokens: int
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -94,6 +112,7 @@ class Upstream:
         self._stub = self._stubs[0]  # Topology
         self._health = health_pb2_grpc.HealthStub(self._channels[0])
         self._models: tuple[str, ...] = ()
+        self._token_texts: dict[str, dict[int, str]] = {}  # stage id -> token id -> its text
         self.max_running = 1  # the orchestrator's maxRunning, as its Topology last said
 
     async def close(self) -> None:
@@ -113,7 +132,10 @@ class Upstream:
         names = [served.get(stage, stage) for stage in stages]
         if self._served_name is not None and names:
             names[0] = self._served_name
-        self._stage_of = dict(zip(names, stages, strict=True))
+        stage_of = dict(zip(names, stages, strict=True))
+        if stage_of != self._stage_of:
+            self._token_texts.clear()  # another topology: maybe other vocabularies
+        self._stage_of = stage_of
         self.max_running = max(1, answer.max_running)
         self._models = tuple(names)
         return self._models
@@ -146,7 +168,9 @@ class Upstream:
         try:
             async for event in rpc:
                 if event.HasField("delta"):
-                    yield Piece(event.delta.text, len(event.delta.token_ids))
+                    delta = event.delta
+                    yield Piece(delta.text, len(delta.token_ids), tuple(delta.token_ids),
+                                _logprobs(delta.logprobs), _logprobs(delta.prompt_logprobs))
                 elif event.HasField("final"):
                     final = event.final
                     yield Outcome(_FINISH_NAMES.get(final.finish_reason, "error"), final.error,
@@ -183,6 +207,18 @@ class Upstream:
             raise self._error(exc) from None
         return str(answer.text)
 
+    async def token_texts(self, model: str, token_ids: Iterable[int]) -> dict[int, str]:
+        """The text of each token on its own (special tokens included), from `model`'s stage
+        tokenizer: one Detokenize per id not seen before (a vocabulary does not change while
+        its stage serves, so the answers are kept)."""
+        known = self._token_texts.setdefault(self._stage_of.get(model, model), {})
+        missing = [i for i in dict.fromkeys(token_ids) if i not in known]
+        for start in range(0, len(missing), _DETOKENIZE_AT_ONCE):
+            ids = missing[start:start + _DETOKENIZE_AT_ONCE]
+            texts = await asyncio.gather(*(self.detokenize(model, [i]) for i in ids))
+            known.update(zip(ids, texts, strict=True))
+        return known
+
     def _error(self, exc: grpc.aio.AioRpcError, timeout_s: float | None = None
                ) -> ServiceError:
         code, details = exc.code(), exc.details() or ""
@@ -201,14 +237,37 @@ def _chat_message(role: str, content: str | tuple[str | int, ...]) -> pb.ChatMes
         pb.ChatPart(image=p) if isinstance(p, int) else pb.ChatPart(text=p) for p in content])
 
 
+def _logprobs(items: Iterable[pb.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(lp.token_id, lp.logprob,
+                              tuple(zip(lp.top_ids, lp.top_logprobs, strict=True)))
+                 for lp in items)
+
+
+def _structured_output(constraint: Constraint) -> pb.StructuredOutput:
+    value = constraint.value
+    if isinstance(value, tuple):
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=value))
+    if isinstance(value, bool):
+        return pb.StructuredOutput(json_object=value)
+    out = pb.StructuredOutput()
+    setattr(out, constraint.kind, value)  # json_schema, regex or grammar: a string
+    return out
+
+
 def _request(call: Call, request_id: str, stage_id: str) -> opb.GenerateRequest:
     s = call.sampling
-    sampling = pb.SamplingOverrides(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                    max_tokens=s.max_tokens, seed=s.seed)
+    sampling = pb.SamplingOverrides(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+        seed=s.seed, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
+        min_p=s.min_p)
     req = pb.GenerationRequest(request_id=request_id, sampling=sampling, stop=list(call.stop),
                                logit_bias=dict(call.logit_bias), lora=call.lora,
                                ignore_eos=call.ignore_eos,
-                               disable_spec_decode=call.disable_spec_decode)
+                               disable_spec_decode=call.disable_spec_decode,
+                               logprobs=call.logprobs, prompt_logprobs=call.prompt_logprobs)
+    if call.constraint is not None:
+        req.structured_output.CopyFrom(_structured_output(call.constraint))
     if call.text is not None:
         req.text = call.text
     elif call.token_ids is not None:

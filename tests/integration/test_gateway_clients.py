@@ -1,5 +1,6 @@
 """What clients other than the `openai` package send the gateway (lm-eval, vLLM's extensions):
-fields that would change the output are refused by name unless they ask for nothing; a list
+fields that would change the output are refused by name unless they ask for nothing or are
+honoured (a malformed or out-of-range value of an honoured one is refused by name too); a list
 of prompts is a batch; the gateway's port serves its metrics; the usage counts the
 end-of-sequence token, as vLLM's does."""
 
@@ -30,9 +31,9 @@ def completion(**fields: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("guided_json", {"type": "object"}), ("guided_regex", "[a-z]+"),
-    ("guided_grammar", "root ::= \"a\""), ("guided_choice", ["yes", "no"]),
-    ("repetition_penalty", 1.3), ("min_p", 0.2), ("reasoning_effort", "high"),
+    ("guided_json", "{not json"), ("guided_regex", ""), ("guided_choice", []),
+    ("repetition_penalty", 0), ("min_p", 1.2), ("presence_penalty", 2.5),
+    ("frequency_penalty", -3), ("reasoning_effort", "high"), ("suffix", "The end."),
     ("parallel_tool_calls", "sometimes"), ("min_tokens", 4), ("length_penalty", 0.7),
     ("use_beam_search", True), ("stop_token_ids", [13]), ("temperature", 2.5),
 ])
@@ -56,13 +57,13 @@ def test_values_that_ask_for_nothing_give_the_plain_text(gateway) -> None:
     assert status == 400 and answer["error"]["param"] == "stream_options"
 
 
-def test_tool_calls_in_a_conversation_are_400_naming_them(gateway) -> None:
+def test_malformed_tool_calls_in_a_conversation_are_400_naming_them(gateway) -> None:
     status, _, answer = request(f"{gateway.url}/v1/chat/completions", {
         "model": "backbone", "messages": [
             {"role": "user", "content": "What is the weather?"},
             {"role": "assistant", "content": None, "tool_calls": [{
                 "id": "call_1", "type": "function",
-                "function": {"name": "weather", "arguments": "{}"}}]},
+                "function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
             {"role": "user", "content": "Well?"}]})
     assert status == 400 and answer["error"]["param"] == "messages[1].tool_calls", answer
 

@@ -47,9 +47,9 @@ def test_bad_input_is_400(busy) -> None:
     message = error_of(*request(url, b"{not json")[::2], 400, "invalid_request_error",
                        "invalid_argument")
     assert "not valid JSON" in message
-    status, _, body = request(url, completion(n=3))
+    status, _, body = request(url, completion(n=3, best_of=2))
     error_of(status, body, 400, "invalid_request_error", "invalid_argument")
-    assert body["error"]["param"] == "n"
+    assert body["error"]["param"] == "best_of"
     # refused by the stage at Admit: its reason reaches the caller
     status, _, body = request(url, completion(top_p=1.5))
     assert "top_p" in error_of(status, body, 400, "invalid_request_error", "invalid_argument")

@@ -66,7 +66,7 @@ def test_completion_prompts() -> None:
 @pytest.mark.parametrize("body, param", [
     ({"messages": CHAT["messages"]}, "model"),
     ({**CHAT, "messages": []}, "messages"),
-    ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({**CHAT, "messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0].image_url"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
@@ -75,11 +75,21 @@ def test_completion_prompts() -> None:
         "url": "data:image/png;base64,@@@"}}]}]}, "messages[0].content[0].image_url"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "audio"}]}]},
      "messages[0].content"),
-    ({**CHAT, "n": 2}, "n"),
+    ({**CHAT, "n": 0}, "n"),
+    ({**CHAT, "n": 129}, "n"),
+    ({**CHAT, "n": 2, "best_of": 3}, "best_of"),
+    ({**CHAT, "best_of": 2}, "best_of"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
-    ({**CHAT, "logprobs": True}, "logprobs"),
-    ({**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**CHAT, "logprobs": 1}, "logprobs"),
+    ({**CHAT, "top_logprobs": 3}, "top_logprobs"),
+    ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({**CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+    ({**CHAT, "frequency_penalty": -2.01}, "frequency_penalty"),
+    ({**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+    ({**CHAT, "min_p": 1.5}, "min_p"),
+    ({**CHAT, "min_p": -0.1}, "min_p"),
+    ({**CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ({**CHAT, "echo": True}, "echo"),
     ({**CHAT, "max_tokens": 0}, "max_tokens"),
     ({**CHAT, "max_tokens": True}, "max_tokens"),
     ({**CHAT, "temperature": "hot"}, "temperature"),
@@ -111,11 +121,11 @@ def test_a_body_that_is_not_an_object() -> None:
 
 
 @pytest.mark.parametrize("key, value", [
-    ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_grammar", "root ::= x"),
-    ("guided_choice", ["a", "b"]), ("repetition_penalty", 1.2), ("min_p", 0.1),
+    ("suffix", "the end"), ("guided_whitespace_pattern", " *"), ("prompt_logprobs", 1),
     ("reasoning_effort", "low"), ("min_tokens", 3), ("length_penalty", 0.5),
     ("use_beam_search", True), ("stop_token_ids", [2]), ("skip_special_tokens", False),
-    ("structured_outputs", {"regex": "a"}), ("add_generation_prompt", False),
+    ("structured_outputs", {"regex": "a", "whitespace_pattern": " "}),
+    ("add_generation_prompt", False), ("guided_json", 5), ("guided_choice", []),
     ("add_special_tokens", True), ("repetition_penalty", True), ("parallel_tool_calls", "no"),
     ("prompt_embeds", "AAAA"), ("include_reasoning", False), ("return_token_ids", True),
 ])
@@ -129,10 +139,11 @@ def test_fields_that_change_the_output_are_refused_by_name(key: str, value: Any)
 
 
 def test_values_that_ask_for_nothing_are_accepted() -> None:
-    neutral = {"repetition_penalty": 1.0, "min_p": 0, "min_tokens": 0, "length_penalty": 1,
+    neutral = {"min_tokens": 0, "length_penalty": 1, "reasoning_effort": None,
                "use_beam_search": False, "parallel_tool_calls": True, "stop_token_ids": [],
                "skip_special_tokens": True, "response_format": {"type": "text"},
-               "tools": [], "add_generation_prompt": True, "guided_json": None}
+               "tools": [], "add_generation_prompt": True, "guided_json": None,
+               "suffix": "", "best_of": 1, "n": 1}
     assert parse_chat({**CHAT, **neutral}).sampling == Sampling()
     assert parse_chat({**CHAT, "parallel_tool_calls": False}).model == "m"
     assert parse_completion({"model": "m", "prompt": "x", "add_special_tokens": True,
@@ -152,13 +163,6 @@ def test_assistant_turns_without_content() -> None:
         {"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
         {"role": "user", "content": "Again"}]})
     assert call.messages == (("user", "Hi"), ("assistant", ""), ("user", "Again"))
-    with pytest.raises(BadField) as info:
-        parse_chat({**CHAT, "messages": [
-            {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "c1", "type": "function",
-                 "function": {"name": "f", "arguments": "{}"}}]}]})
-    assert info.value.param == "messages[1].tool_calls"
     with pytest.raises(BadField) as info:
         parse_chat({**CHAT, "messages": [{"role": "user", "content": None}]})
     assert info.value.param == "messages[0].content"
