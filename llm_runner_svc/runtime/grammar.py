@@ -16,7 +16,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 
@@ -25,10 +25,13 @@ from llm_runner_svc.errors import InvalidArgument
 from llm_runner_svc.models.tokenizer import Tokenizer
 from llm_runner_svc.runtime.constraint import Constraint
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 DEFAULT_CACHE_SIZE = 256  # compiled constraints kept
 # JSON is written compactly: with free whitespace between tokens a model can spend its whole
 # budget on newlines before the first brace (a schema may still ask for it with x-guidance)
-_JSON = {"whitespace_flexible": False}
+_JSON: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 class GrammarError(InvalidArgument):

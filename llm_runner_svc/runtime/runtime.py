@@ -183,19 +183,22 @@ class InferenceRuntime(SequenceAdvance):
         mask tokens, GrammarError (InvalidArgument) when it does not compile. The first time
         a constraint is seen it is compiled (milliseconds to a second for a large schema);
         then it is a cache lookup."""
-        if not getattr(self.engine, "supports_masks", False):
+        if not self.engine.supports_masks:
             raise Unimplemented(f"engine {self.engine.name} cannot restrict its picks to a "
                                 "token mask: structured output needs engine numpy or torch")
         self.grammars.compile(constraint)
 
     def _check_features(self, req: GenerationRequest) -> None:
-        sp = req.sampling
-        if sp.logprobs is not None and not getattr(self.engine, "supports_logprobs", False):
-            raise Unimplemented(f"engine {self.engine.name} gives no log-probabilities "
-                                "(engines that do: numpy, torch)")
-        if sp.prompt_logprobs is not None and not getattr(self.engine, "supports_scores", False):
-            raise Unimplemented(f"engine {self.engine.name} gives no prompt "
-                                "log-probabilities (engines that do: numpy, torch)")
+        """Unimplemented for what the engine cannot do (engine.supports_*)."""
+        sp, eng = req.sampling, self.engine
+        lacks = [what for what, asked, able in (
+            ("penalties and min_p", has_penalties(sp) or sp.min_p > 0, eng.supports_penalties),
+            ("log-probabilities", sp.logprobs is not None, eng.supports_logprobs),
+            ("prompt log-probabilities", sp.prompt_logprobs is not None, eng.supports_scores),
+        ) if asked and not able]
+        if lacks:
+            raise Unimplemented(f"engine {eng.name} gives no {lacks[0]} (engines that do: "
+                                "numpy, torch)")
         if req.constraint is not None:
             self.check_constraint(req.constraint)
 
