@@ -141,8 +141,8 @@ def mask_fill_ms(rt: InferenceRuntime, tok: Tokenizer, vocab: int, batch: int,
     """Host time to fill `batch` masks, the matchers part way into a document."""
     matchers = [rt.grammars.matcher(constraint) for _ in range(batch)]
     prefix = '{"name": "Ann Lee", "age": 41, "email": "ann@site.org", "tags": ["a", "b'
-    for m in matchers:
-        for t in tok.encode_fragment(prefix[:8 + (len(prefix) - 8) * (id(m) % 7) // 6]):
+    for i, m in enumerate(matchers):  # spread over the document: keys, numbers, strings
+        for t in tok.encode_fragment(prefix[:8 + (len(prefix) - 8) * (i % 7) // 6]):
             if not m.accept(t):
                 break
     out = np.zeros((batch, (vocab + 31) // 32), dtype=np.int32)

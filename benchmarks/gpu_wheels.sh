@@ -14,8 +14,8 @@ OTEL_SEMCONV=${OTEL_SEMCONV:-0.66b2}
 mkdir -p .whl
 python3 -m pip download -q --dest .whl --only-binary=:all: --no-deps \
     --python-version "$PY" --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
-    --platform any \
-    gguf tokenizers safetensors "grpcio-health-checking==$GRPC" "grpcio-reflection==$GRPC" \
+    --platform manylinux_2_31_x86_64 --platform any \
+    llguidance gguf tokenizers safetensors "grpcio-health-checking==$GRPC" "grpcio-reflection==$GRPC" \
     "opentelemetry-api==$OTEL" "opentelemetry-sdk==$OTEL" \
     "opentelemetry-exporter-otlp-proto-grpc==$OTEL" \
     "opentelemetry-exporter-otlp-proto-common==$OTEL" "opentelemetry-proto==$OTEL" \
