@@ -170,7 +170,8 @@ def test_the_runtime_request_carries_every_new_field() -> None:
     (dict(min_p=0.1), "penalties, min_p: engine plain applies no"),
 ], ids=["logprobs", "prompt_logprobs", "penalty", "min_p"])
 def test_what_the_engine_cannot_give_is_refused_at_admit(kw: dict, needle: str) -> None:
-    plain = SimpleNamespace(engine=SimpleNamespace(name="plain"))
+    plain = SimpleNamespace(engine=SimpleNamespace(
+        name="plain", supports_logprobs=False, supports_scores=False, supports_penalties=False))
     with pytest.raises(Refused) as info:
         check_features(plain, StageRequest("r", text="Hi", **kw))
     assert info.value.refusal is Refusal.SAMPLING_OUT_OF_RANGE
@@ -181,7 +182,8 @@ def test_what_the_engine_cannot_give_is_refused_at_admit(kw: dict, needle: str) 
 
 
 def test_values_that_leave_a_feature_off_ask_nothing_of_the_engine() -> None:
-    plain = SimpleNamespace(engine=SimpleNamespace(name="plain"))
+    plain = SimpleNamespace(engine=SimpleNamespace(
+        name="plain", supports_logprobs=False, supports_scores=False, supports_penalties=False))
     check_features(plain, StageRequest("r", text="Hi", presence_penalty=0.0,
                                        frequency_penalty=0.0, repetition_penalty=1.0,
                                        min_p=0.0))
