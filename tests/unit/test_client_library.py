@@ -16,6 +16,7 @@ import grpc
 import pytest
 from llm_stage_client import AsyncClient, Client, Delta, FinalReport, StageClientError, cli
 from llm_stage_client.cli import main
+from llm_stage_client.controls import TokenLogprob
 from llm_stage_client.types import build_generate_request, finish_reason_name
 
 from services.contract.llmstage.v1 import orchestrator_pb2 as opb
@@ -35,8 +36,17 @@ def bounded_by(remaining: float | None, timeout: float) -> bool:
     return remaining is not None and 0.0 < remaining <= timeout * 1.01 + 0.05
 
 
+def _scored(token: int, top: int) -> pb.TokenLogprob:
+    """Token t's log-probability is -t/8 (exact in float32); its alternatives t, t+1, ...
+    (k of them)."""
+    return pb.TokenLogprob(token_id=token, logprob=-token / 8,
+                           top_ids=[token + i for i in range(top)],
+                           top_logprobs=[-(token + i) / 8 for i in range(top)])
+
+
 class FakeOrchestrator(orchestrator_pb2_grpc.OrchestratorServicer):
-    """Records each GenerateRequest and its deadline; answers with canned events. Prompt
+    """Records each GenerateRequest and its deadline; answers with canned events (with
+    log-probabilities when asked: the prompt's on the first delta of each port). Prompt
     "overload" is RESOURCE_EXHAUSTED, prompt "fail" ends with finish reason ERROR."""
 
     def __init__(self) -> None:
@@ -49,10 +59,16 @@ class FakeOrchestrator(orchestrator_pb2_grpc.OrchestratorServicer):
         text = request.request.text
         if text == "overload":
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "admission queue is full")
-        for stage, port, ids, delta_text in DELTAS:
+        asked = request.request
+        for i, (stage, port, ids, delta_text) in enumerate(DELTAS):
             if not request.sinks or f"{stage}:{port}" in request.sinks:
-                yield opb.GenerateEvent(delta=opb.Delta(stage_id=stage, port=port, token_ids=ids,
-                                                        text=delta_text))
+                delta = opb.Delta(stage_id=stage, port=port, token_ids=ids, text=delta_text)
+                if asked.HasField("logprobs"):
+                    delta.logprobs.extend(_scored(t, asked.logprobs) for t in ids)
+                if asked.HasField("prompt_logprobs") and i < 2:
+                    delta.prompt_logprobs.extend(_scored(t, asked.prompt_logprobs)
+                                                 for t in (2, 3))
+                yield opb.GenerateEvent(delta=delta)
         failed = text == "fail"
         final = opb.FinalReport(
             request_id=request.request.request_id or "req-1",
@@ -287,3 +303,101 @@ def test_images_and_chat_parts(tmp_path) -> None:
         == "application/octet-stream"
     with pytest.raises(TypeError, match="sequence of images"):
         build_generate_request(prompt="x", images=png)  # type: ignore[arg-type]
+
+
+def test_structured_output_penalties_and_logprobs_from_kwargs() -> None:
+    req = build_generate_request(prompt="x", presence_penalty=0.5, frequency_penalty=-0.5,
+                                 repetition_penalty=1.2, min_p=0.05, logprobs=3,
+                                 prompt_logprobs=0, json_schema={"type": "object"}).request
+    s = req.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.min_p) == pytest.approx((0.5, -0.5, 0.05))
+    assert s.repetition_penalty == pytest.approx(1.2)
+    assert not any(s.HasField(f) for f in ("temperature", "top_k", "top_p", "max_tokens"))
+    assert (req.logprobs, req.prompt_logprobs) == (3, 0)
+    assert json.loads(req.structured_output.json_schema) == {"type": "object"}
+    plain = build_generate_request(prompt="x").request
+    assert not plain.HasField("logprobs") and not plain.HasField("prompt_logprobs")
+    assert not plain.HasField("structured_output") and plain.sampling.ListFields() == []
+    kinds = {"json_schema": '{"type": "string"}', "json_object": True, "regex": "[0-9]+",
+             "grammar": 'start: "a"', "choice": ["yes", "no"]}
+    for kind, value in kinds.items():
+        so = build_generate_request(prompt="x", **{kind: value}).request.structured_output
+        assert so.WhichOneof("kind") == kind
+    assert list(build_generate_request(prompt="x", choice=("a", "b")).request
+                .structured_output.choice.choices) == ["a", "b"]
+    with pytest.raises(ValueError, match=r"at most one structured output \(got regex, json_obj"):
+        build_generate_request(prompt="x", json_object=True, regex="a")
+    with pytest.raises(ValueError, match="regex, choice"):
+        build_generate_request(prompt="x", regex="a", choice=["a"])
+    with pytest.raises(TypeError, match="choice takes a sequence"):
+        build_generate_request(prompt="x", choice="yes")
+
+
+def test_deltas_carry_one_logprob_per_token(orch: tuple[FakeOrchestrator, str]) -> None:
+    _, target = orch
+    with Client(target) as client:
+        items = list(client.generate("Hi", logprobs=2, prompt_logprobs=1,
+                                     sinks=["backbone:text"]))
+        plain = list(client.generate("Hi", sinks=["backbone:text"]))
+    deltas = [d for d in items if isinstance(d, Delta)]
+    assert [[lp.token_id for lp in d.logprobs] for d in deltas] == \
+        [list(d.token_ids) for d in deltas] == [[5, 6], [7]]
+    assert deltas[0].logprobs[0] == TokenLogprob(5, -0.625, ((5, -0.625), (6, -0.75)))
+    assert [lp.token_id for lp in deltas[0].prompt_logprobs] == [2, 3]
+    assert not deltas[1].prompt_logprobs
+    assert deltas[0].prompt_logprobs[1].top == ((3, -0.375),)
+    assert all(not d.logprobs and not d.prompt_logprobs for d in plain
+               if isinstance(d, Delta))
+
+
+def test_cli_structured_output_penalties_and_logprobs(
+        orch: tuple[FakeOrchestrator, str], capsys: pytest.CaptureFixture[str],
+        tmp_path) -> None:
+    fake, target = orch
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    assert main(["generate", "--target", target, "--json-schema", str(schema),
+                 "--presence-penalty", "0.5", "--frequency-penalty", "0.25",
+                 "--repetition-penalty", "1.1", "--min-p", "0.05", "--logprobs", "2",
+                 "--prompt-logprobs", "0", "Hi"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "Once upon\n"
+    report = json.loads(err.strip().splitlines()[-1])
+    # one per token of the text shown, the alternatives as {"token_id", "logprob"}
+    assert [lp["token_id"] for lp in report["logprobs"]] == [5, 6, 7]
+    assert report["logprobs"][0] == {"token_id": 5, "logprob": -0.625,
+                                     "top": [{"token_id": 5, "logprob": -0.625},
+                                             {"token_id": 6, "logprob": -0.75}]}
+    assert [lp["token_id"] for lp in report["prompt_logprobs"]] == [2, 3]
+    assert "top" not in report["prompt_logprobs"][0]  # K 0: the token's own only
+    assert TokenLogprob(1, -0.6000000238).as_dict(6) == {"token_id": 1, "logprob": -0.6}
+    req = fake.requests[-1].request
+    assert req.structured_output.json_schema == '{"type": "object"}'
+    assert (req.sampling.presence_penalty, req.sampling.frequency_penalty) == (0.5, 0.25)
+    assert req.sampling.repetition_penalty == pytest.approx(1.1)
+    assert req.sampling.min_p == pytest.approx(0.05)
+    assert (req.logprobs, req.prompt_logprobs) == (2, 0)
+
+    grammar = tmp_path / "g.lark"
+    grammar.write_text('start: "yes" | "no"')
+    cases = [(["--json-schema", '{"type": "string"}'], "json_schema", '{"type": "string"}'),
+             (["--json-object"], "json_object", True), (["--regex", "[a-z]+"], "regex", "[a-z]+"),
+             (["--grammar", str(grammar)], "grammar", 'start: "yes" | "no"')]
+    for flags, kind, value in cases:
+        assert main(["generate", "--target", target, *flags, "Hi"]) == 0
+        so = fake.requests[-1].request.structured_output
+        assert so.WhichOneof("kind") == kind and getattr(so, kind) == value
+    assert main(["generate", "--target", target, "--choice", "yes", "--choice", "no", "Hi"]) == 0
+    assert list(fake.requests[-1].request.structured_output.choice.choices) == ["yes", "no"]
+    err = capsys.readouterr().err
+    assert "logprobs" not in err.strip().splitlines()[-1]  # none asked: no key
+
+    num_sent = len(fake.requests)
+    assert main(["generate", "--target", target, "--json-schema", "schema.jsn", "Hi"]) == 2
+    assert "--json-schema: 'schema.jsn' is neither a file nor a JSON schema" in \
+        capsys.readouterr().err
+    assert main(["generate", "--target", target, "--grammar", str(tmp_path / "no"), "Hi"]) == 2
+    assert "INVALID_ARGUMENT: --grammar:" in capsys.readouterr().err
+    assert len(fake.requests) == num_sent  # nothing sent
+    with pytest.raises(SystemExit):  # two constraints: argparse says so
+        main(["generate", "--target", target, "--regex", "a", "--json-object", "Hi"])

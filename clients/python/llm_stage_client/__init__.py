@@ -1,11 +1,13 @@
 """Client library for the llm-runner-svc orchestrator.
 
 `Client` (sync) and `AsyncClient` (asyncio) call `llmstage.v1.Orchestrator`; a generation
-streams `Delta`s and ends with one `FinalReport`; every failed call raises `StageClientError`.
+streams `Delta`s (with `TokenLogprob`s when asked) and ends with one `FinalReport`; every failed
+call raises `StageClientError`.
 """
 
 from llm_stage_client.aio import AsyncClient
 from llm_stage_client.client import DEFAULT_TARGET, Client
+from llm_stage_client.controls import TokenLogprob
 from llm_stage_client.types import Delta, FinalReport, GenerateOptions, StageClientError
 
 __all__ = [
@@ -16,4 +18,5 @@ __all__ = [
     "FinalReport",
     "GenerateOptions",
     "StageClientError",
+    "TokenLogprob",
 ]

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from llm_stage_client._contract.llmstage.v1 import orchestrator_pb2
 from llm_stage_client.admin import ADMIN_TOKEN_ENV, StageAdmin
+from llm_stage_client.cli_controls import add_control_args, control_options
 from llm_stage_client.cli_show import Display, report_json, stream
 from llm_stage_client.client import DEFAULT_TARGET, Client
 from llm_stage_client.types import GenerateOptions, StageClientError
@@ -79,6 +80,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--adapter", default="",
                    help="LoRA adapter to run with, by the name the deployment's "
                         "lora_adapters gives it (default: the base model)")
+    add_control_args(p)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -90,7 +92,8 @@ def _generate(args: argparse.Namespace) -> int:
             options: GenerateOptions = dict(
                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
-                request_id=args.request_id, sinks=sinks, adapter=args.adapter)
+                request_id=args.request_id, sinks=sinks, adapter=args.adapter,
+                **control_options(args))
             if args.chat or args.system is not None or args.image:
                 options["messages"] = chat_messages(args.prompt, args.system, len(args.image))
                 if args.image:
@@ -110,7 +113,7 @@ def _generate(args: argparse.Namespace) -> int:
     display.end_line()
     if report is None:
         raise StageClientError("UNKNOWN", "the Generate stream ended without a final report")
-    print(report_json(report), file=sys.stderr)
+    print(report_json(report, display.scores()), file=sys.stderr)
     return 1 if report.finish_reason in _FAILED else 0
 
 

@@ -1,5 +1,6 @@
 """How `llm-stage generate` shows a generation: the text on stdout, every other sink port's
-deltas as readable lines on stderr, and the final report as JSON with whole numbers.
+deltas as readable lines on stderr, and the final report as JSON with whole numbers (and the
+text's log-probabilities, when asked, under "logprobs" and "prompt_logprobs").
 
 The contract's diagnostics travel as a protobuf Struct, whose numbers are all doubles and whose
 64-bit seeds are strings; the report printed here gives counts as integers and the seed as a
@@ -14,12 +15,14 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from llm_stage_client.controls import TokenLogprob
 from llm_stage_client.types import Delta, FinalReport, StageClientError
 
 # Ports whose deltas carry text; the first one that speaks is the text shown on stdout. (The
 # orchestrator sends one delta per stage and step, under the first of its sinks the caller
 # attached, so a stage's text never arrives twice.)
 _TEXT_PORTS = ("text", "tokens")
+_DIGITS = 6  # decimals of a log-probability printed (float32 carries about 7 digits)
 
 
 def _plural(n: int, word: str) -> str:
@@ -37,12 +40,17 @@ class Display:
         self._shown: tuple[str, str] | None = None  # the (stage, port) whose text is on stdout
         self._totals: dict[tuple[str, str], int] = {}
         self.is_mid_line = False  # stdout holds text not yet ended by a newline
+        self._logprobs: list[TokenLogprob] = []  # of the text on stdout, one per token
+        self._prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     def show(self, delta: Delta) -> None:
         key = (delta.stage_id, delta.port)
         if self._shown is None and delta.port in _TEXT_PORTS:
             self._shown = key
         if key == self._shown:
+            self._logprobs.extend(delta.logprobs)
+            if delta.prompt_logprobs:
+                self._prompt_logprobs = delta.prompt_logprobs
             if delta.text:
                 self._out.write(delta.text)
                 self._out.flush()
@@ -63,6 +71,16 @@ class Display:
             return f"+{_plural(n, 'row')} ({total} so far)"
         shown = f" text {delta.text!r}" if delta.text else ""
         return f"+{_plural(n, 'token')} ({total} so far){shown}"
+
+    def scores(self) -> dict[str, list[dict[str, Any]]]:
+        """The log-probabilities of the text shown, as the report prints them: "logprobs"
+        (one per generated token) and "prompt_logprobs", each only when it came."""
+        out = {}
+        if self._logprobs:
+            out["logprobs"] = [lp.as_dict(_DIGITS) for lp in self._logprobs]
+        if self._prompt_logprobs:
+            out["prompt_logprobs"] = [lp.as_dict(_DIGITS) for lp in self._prompt_logprobs]
+        return out
 
     def end_line(self) -> None:
         """Ends the text on stdout with a newline (before an error line, or at the end)."""
@@ -105,6 +123,7 @@ def _plain(value: Any, key: str = "") -> Any:
     return value
 
 
-def report_json(report: FinalReport) -> str:
-    """The final report as one line of JSON, counts as integers."""
-    return json.dumps(_plain(dataclasses.asdict(report)))
+def report_json(report: FinalReport, scores: dict[str, Any] | None = None) -> str:
+    """The final report as one line of JSON, counts as integers; `scores` (Display.scores)
+    joins it as they are."""
+    return json.dumps({**_plain(dataclasses.asdict(report)), **(scores or {})})

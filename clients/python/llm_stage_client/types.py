@@ -16,6 +16,13 @@ from google.protobuf.json_format import MessageToDict
 
 from llm_stage_client._contract.llmstage.v1 import orchestrator_pb2 as opb
 from llm_stage_client._contract.llmstage.v1 import stage_pb2 as pb
+from llm_stage_client.controls import (
+    JsonSchema,
+    TokenLogprob,
+    logprobs_from_pb,
+    reject_str,
+    structured_output,
+)
 
 _FINISH_PREFIX = "FINISH_REASON_"
 
@@ -58,7 +65,10 @@ class GenerateOptions(TypedDict, total=False):
 
     `token_ids` or `messages` ((role, content) pairs) replace the text prompt; the sampling
     values replace the deployment defaults (None: keep the default); `sinks` are "stage:port"
-    names to stream (empty: the topology's default sinks).
+    names to stream (empty: the topology's default sinks). At most one of `json_schema`,
+    `json_object`, `regex`, `grammar` and `choice` constrains the output; `logprobs` and
+    `prompt_logprobs` ask for log-probabilities (None: none; 0: each token's own; k: and the
+    top k alternatives).
     """
 
     token_ids: Sequence[int]
@@ -75,16 +85,32 @@ class GenerateOptions(TypedDict, total=False):
     ignore_eos: bool
     adapter: str
     disable_spec_decode: bool
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    repetition_penalty: float | None
+    min_p: float | None
+    logprobs: int | None
+    prompt_logprobs: int | None
+    json_schema: JsonSchema | None
+    json_object: bool
+    regex: str | None
+    grammar: str | None
+    choice: Sequence[str] | None
 
 
 @dataclass(frozen=True)
 class Delta:
-    """New output of one sink port: the stage, the port, the new token ids and text."""
+    """New output of one sink port: the stage, the port, the new token ids and text. With
+    `logprobs=` asked, `logprobs` holds one entry per token id, in order; with
+    `prompt_logprobs=`, the request's first delta holds the prompt's, one per prompt token
+    from the second on."""
 
     stage_id: str
     port: str
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -128,12 +154,6 @@ def error_from_rpc(exc: grpc.RpcError) -> StageClientError:
     return StageClientError(name, details or str(exc))
 
 
-def _reject_str(name: str, value: Sequence[str]) -> None:
-    # A bare string is a Sequence[str] too; taking it letter by letter is never what was meant.
-    if isinstance(value, str):
-        raise TypeError(f"{name} takes a sequence of strings, not a string: use [{value!r}]")
-
-
 def build_generate_request(
     *,
     prompt: str | None = None,
@@ -151,6 +171,17 @@ def build_generate_request(
     ignore_eos: bool = False,
     adapter: str = "",
     disable_spec_decode: bool = False,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    min_p: float | None = None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    json_schema: JsonSchema | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    grammar: str | None = None,
+    choice: Sequence[str] | None = None,
 ) -> opb.GenerateRequest:
     """The GenerateRequest for these arguments.
 
@@ -163,32 +194,38 @@ def build_generate_request(
     A message's content may be parts, text (str) and images (int, an index into `images`),
     which the chat template places; a text prompt places them with the model's own image
     token (e.g. "<image>"), one per image in order.
+    `presence_penalty` and `frequency_penalty` ([-2, 2]) lower the logits of tokens already
+    generated (once / per occurrence), `repetition_penalty` (> 0, 1 = off) those of tokens
+    seen in the prompt or output, `min_p` ([0, 1]) drops tokens less likely than min_p times
+    the likeliest. `logprobs` / `prompt_logprobs` (0..20) put log-probabilities on the deltas
+    (see `Delta`). At most one of `json_schema` (JSON text or a dict), `json_object`, `regex`,
+    `grammar` (Lark / EBNF / GBNF text) and `choice` (strings) constrains the output; a
+    constraint the runner cannot compile is refused (INVALID_ARGUMENT, its reason said).
 
-    Raises ValueError when not exactly one prompt form is given or a value does not fit its
-    field (e.g. a negative seed), TypeError when `stop` or `sinks` is a bare string.
+    Raises ValueError when not exactly one prompt form is given, two constraints are, or a
+    value does not fit its field (e.g. a negative seed), TypeError when `stop`, `sinks` or
+    `choice` is a bare string.
     """
     given = [name for name, value in (("prompt", prompt), ("token_ids", token_ids),
                                       ("messages", messages)) if value is not None]
     if len(given) != 1:
         raise ValueError("give exactly one of prompt, token_ids, messages"
                          + (f" (got {', '.join(given)})" if given else ""))
-    _reject_str("stop", stop)
-    _reject_str("sinks", sinks)
+    reject_str("stop", stop)
+    reject_str("sinks", sinks)
 
-    sampling = pb.SamplingOverrides()
-    if temperature is not None:
-        sampling.temperature = temperature
-    if top_k is not None:
-        sampling.top_k = top_k
-    if top_p is not None:
-        sampling.top_p = top_p
-    if max_tokens is not None:
-        sampling.max_tokens = max_tokens
-    if seed is not None:
-        sampling.seed = seed
+    constraint = structured_output(json_schema=json_schema, json_object=json_object,
+                                   regex=regex, grammar=grammar, choice=choice)
+    # A keyword given None leaves its field unset: the deployment default (or off) applies.
+    sampling = pb.SamplingOverrides(
+        temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=seed,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty, min_p=min_p)
     req = pb.GenerationRequest(request_id=request_id, sampling=sampling, stop=list(stop),
                                ignore_eos=ignore_eos, lora=adapter,
-                               disable_spec_decode=disable_spec_decode)
+                               disable_spec_decode=disable_spec_decode,
+                               structured_output=constraint, logprobs=logprobs,
+                               prompt_logprobs=prompt_logprobs)
     if prompt is not None:
         req.text = prompt
     elif token_ids is not None:
@@ -220,7 +257,8 @@ def finish_reason_name(value: int) -> str:
 def delta_from_pb(delta: opb.Delta) -> Delta:
     """The library's Delta for a contract Delta."""
     return Delta(stage_id=delta.stage_id, port=delta.port, token_ids=tuple(delta.token_ids),
-                 text=delta.text)
+                 text=delta.text, logprobs=logprobs_from_pb(delta.logprobs),
+                 prompt_logprobs=logprobs_from_pb(delta.prompt_logprobs))
 
 
 def report_from_pb(final: opb.FinalReport) -> FinalReport:
