@@ -64,6 +64,9 @@ SHORT_PREFILL_ROWS = 64
 # Prefill passes up to this many tokens run from CUDA graphs: below it an eager forward's
 # launches take longer on the host than its work on the GPU (7B shapes, H200).
 PREFILL_GRAPH_TOKENS = 512
+# Prompt scores: positions one head product turns into logits (at most the decode rows, which
+# the head's scratch holds).
+SCORE_CHUNK = 32
 
 
 def default_fused_prefill_rows(config: ModelConfig) -> int:
@@ -101,7 +104,8 @@ class TorchEngine(TorchSteps):
                  split_prefill_keys: bool = True,
                  adapters: Sequence[LoraAdapter] = (),
                  short_prefill_rows: int = SHORT_PREFILL_ROWS,
-                 short_tilings: Mapping[Shape, Tiling] | None = None) -> None:
+                 short_tilings: Mapping[Shape, Tiling] | None = None,
+                 device_sampling: bool = False) -> None:
         """`dtype`: "float32" or "bfloat16" (default: bf16 on CUDA, float32 on the CPU).
         `kernels`: "triton" (the CUDA default: fused kernels, decode steps as CUDA graphs), or
         "torch" for the plain reference ops, run eagerly.
@@ -130,7 +134,10 @@ class TorchEngine(TorchSteps):
         short products (torch_triton_short.py) those products that `short_tilings` holds a
         tiling for ((output columns, k, mode, norm inside) -> Tiling, as
         `bench_short_products.py --write` measures them; None: the measured
-        `SHORT_TILINGS`), the rest on cuBLASLt; 0: every product on the default cuBLAS."""
+        `SHORT_TILINGS`), the rest on cuBLASLt; 0: every product on the default cuBLAS.
+        `device_sampling`: on the CPU, process logits and pick with the torch code CUDA runs
+        (torch_picks.py) rather than on the host with numpy (a test of that code; CUDA
+        always picks on the device)."""
         self.config = config
         self.device = resolve_device(device)
         default = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -158,6 +165,7 @@ class TorchEngine(TorchSteps):
         self.short_tilings = dict(SHORT_TILINGS if short_tilings is None else short_tilings)
         self.fused_rows = fused_rows
         self.fused_prefill_rows = fused_prefill_rows
+        self.device_sampling = device_sampling
         self.weights = weights if isinstance(weights, TorchWeights) else load_weights(
             weights, config, self.device, self.dtype)
         self.lora = TorchLora(config, adapters, self.device) if adapters else None
@@ -219,7 +227,8 @@ class TorchEngine(TorchSteps):
                         capture_hidden=plan.hidden_layer is not None, pad_dest=plan.max_batch)
                     self.prefill_graphs.capture()
         self.picks = Picks(self.state.logits, self.state.next_ids,
-                           max(pass_tokens(plan), plan.max_decode_rows))
+                           max(pass_tokens(plan), plan.max_decode_rows), plan.max_batch,
+                           min(SCORE_CHUNK, plan.max_decode_rows), self.device_sampling)
         self._bytes += self.picks.nbytes
         self._last_sampled: tuple[bool, ...] = ()  # which rows of the last forward picked
 

@@ -40,9 +40,18 @@ from llm_runner_svc.engines.base import (
     HiddenStates,
     SampleSpec,
     check_batch,
+    check_features,
     check_reserve,
 )
-from llm_runner_svc.engines.batch import MAX_VERIFY, Batch, Pass, Row, StepOutput, split_passes
+from llm_runner_svc.engines.batch import (
+    MAX_VERIFY,
+    Batch,
+    Pass,
+    Row,
+    StepOutput,
+    TokenLogprob,
+    split_passes,
+)
 from llm_runner_svc.engines.batched import CapturedStates
 from llm_runner_svc.engines.numpy_sampling import verify_picks
 from llm_runner_svc.engines.torch_forward import Forward
@@ -104,6 +113,10 @@ class TorchSteps(Engine):
     _plan: EnginePlan | None
     _last_sampled: tuple[bool, ...]
     supports_verify = True
+    supports_penalties = True
+    supports_masks = True
+    supports_logprobs = True
+    supports_scores = True
 
     # ---- LoRA adapter slots (torch_lora.py) --------------------------------------------
     @property
@@ -146,6 +159,8 @@ class TorchSteps(Engine):
         on the device unless a row captures hidden states."""
         plan = self._need_plan()
         check_batch(self.config, plan, batch, self.num_adapters, self.supports_embeds)
+        check_features(self, batch)
+        self.picks.scores.begin()
         rows = batch.rows
         n = len(rows)
         feeds = any(r.from_pick is not None for r in rows)
@@ -156,7 +171,8 @@ class TorchSteps(Engine):
                 if j is not None and not (0 <= j < len(last) and last[j]):
                     raise FailedPrecondition(f"a row feeds the pick of row {j} of the "
                                              "previous forward, which made none")
-        d = next((i for i, r in enumerate(rows) if r.length > 1), n)  # leading decodes
+        # leading decodes (a row with prompt scores runs in a prefill pass: `_score_heads`)
+        d = next((i for i, r in enumerate(rows) if r.length > 1 or r.score), n)
         if d < n and self.mixed_steps == "joined":
             d = 0
         hidden: list[HiddenStates | None] = [None] * n
@@ -185,16 +201,19 @@ class TorchSteps(Engine):
                         hidden, self._verified, tuple(self._on_device))
 
     def read(self, handle: Launched) -> StepOutput:
-        picks = self.picks.wait(handle.picks)
+        picked = self.picks.wait(handle.picks)
+        picks = picked.picks
         verified = list(handle.verified)
         if handle.on_device:  # the speculative step's read is waited for anyway
             hi = max(off + k for _, off, k in handle.on_device)
             ids = self.picks.verify_ids.view(-1)[:hi].cpu().tolist()
             for i, off, k in handle.on_device:
                 verified[i] = ids[off:off + k]
+        scores: list[list[TokenLogprob] | None] = [picked.scores.get(i)
+                                                   for i in range(len(picks))]
         return StepOutput([p if wanted else None
                            for p, wanted in zip(picks, handle.sampled, strict=True)],
-                          handle.hidden, verified)
+                          handle.hidden, verified, picked.logprobs, scores)
 
     def _stage_decode(self, rows: Sequence[DecodeRow], bucket: int, feeds: bool) -> None:
         """Stage one-token rows for a decode step of `bucket` rows."""
@@ -237,13 +256,16 @@ class TorchSteps(Engine):
         """The bucket in which a step of verify rows, rows of up to the plan's K + 1 tokens
         (`EnginePlan.verify_tokens`) and one-token rows runs as one decode step, a decode
         row per position; None when it runs with prefill passes instead: a longer row (a
-        prompt chunk), a row capturing hidden states or reading input embeddings, adapter
-        rows where the verify variants hold no LoRA products (CUDA), more rows than the
-        largest verify bucket (CUDA) or than the decode buffers (`max_decode_rows`)."""
+        prompt chunk), a row capturing hidden states or reading input embeddings, a row
+        with prompt scores, adapter rows where the verify variants hold no LoRA products
+        (CUDA), more rows than the largest verify bucket (CUDA) or than the decode buffers
+        (`max_decode_rows`)."""
         total = 0
         for r in rows:
             if r.length > 1 and (r.length > 1 + max(r.verify, plan.verify_tokens)
                                  or r.capture_hidden or any(e.end > r.start for e in r.embeds)):
+                return None
+            if r.score:
                 return None
             if self.graphs is not None and r.adapter:
                 return None
@@ -320,6 +342,7 @@ class TorchSteps(Engine):
             else:
                 self.forward.prefill(layout, capture and p.capture, lora, overrides)
             self._verify_heads(p, rows, first)
+            self._score_heads(p, rows, first)
             if capture and p.capture:
                 caps.add(p, _host_copy(s.cap_emb[:p.num_tokens]),
                          _host_copy(s.cap_state[:p.num_tokens]))
@@ -349,6 +372,21 @@ class TorchSteps(Engine):
                 self._verified[first + seg.row] = verify_picks(
                     _host_copy(logits), row.verify_samples, row.tokens[1:])
 
+    def _score_heads(self, p: Pass, rows: Sequence[Row], first: int) -> None:
+        """The prompt scores of the rows' positions that pass `p` ran (batch rows first ..),
+        from their residuals, before the next pass overwrites them."""
+        for seg in p.segments:
+            row = rows[seg.row]
+            lo = seg.start - row.start
+            hi = min(len(row.score), lo + len(seg.tokens))
+            if lo < hi:
+                self.picks.scores.add(self._head, self.state.x[seg.offset:seg.offset + hi - lo],
+                                      row.score[lo:hi], row.score_top, first + seg.row)
+
+    def _head(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out [m, vocab] float32 = the logits of residual rows x [m, hidden]."""
+        self.forward.head(x, self.forward.fuses(x.shape[0], False), out=out)
+
     def _lora_groups(self, adapters: Sequence[int], lengths: Sequence[int]) -> TorchGroups:
         """A forward's rows by LoRA adapter: `adapters` (one per stretch of `lengths`)."""
         lora = self.forward.lora
@@ -356,7 +394,7 @@ class TorchSteps(Engine):
 
     def sample(self, specs: Sequence[SampleSpec]) -> list[int]:
         self._need_plan()
-        return self.picks.wait(self.picks.start(specs, has_argmax=False))
+        return self.picks.wait(self.picks.start(specs, has_argmax=False)).picks
 
     def logits(self, num_rows: int) -> np.ndarray:
         self._need_plan()
