@@ -66,10 +66,12 @@ def event_to_pb(ev: CohortEvent) -> pb.StepEvent:
             member.status = pb.MEMBER_STATUS_ENDED
             member.finish_reason = reason_to_pb(m.finish_reason)
             member.error = m.error or ""
-        if m.logprobs:  # asked for: otherwise nothing to do, per member and step
-            logprobs_to_pb(member.logprobs, m.logprobs)
-        if m.prompt_logprobs:
-            logprobs_to_pb(member.prompt_logprobs, m.prompt_logprobs)
+    if ev.has_scores:  # no member asked for log-probabilities otherwise: nothing to look at
+        for m, member in zip(ev.members, out.members, strict=True):
+            if m.logprobs:
+                logprobs_to_pb(member.logprobs, m.logprobs)
+            if m.prompt_logprobs:
+                logprobs_to_pb(member.prompt_logprobs, m.prompt_logprobs)
     for r in ev.refused:
         out.refused.add(slot_id=r.slot_id, code=r.code, message=r.message)
     return out

@@ -52,6 +52,7 @@ class CohortEvent:
     step: int
     members: list[MemberUpdate] = field(default_factory=list)
     refused: list[JoinRefusal] = field(default_factory=list)
+    has_scores: bool = False  # a member's update has log-probabilities: encode them
 
 
 class Cohort:

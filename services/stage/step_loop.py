@@ -119,6 +119,7 @@ class StepLoop:
         pairs: Pairs = []
         batch_size = sum(1 for ev in events if ev.token_ids)
         updates: dict[Cohort, list[MemberUpdate]] = {}
+        scored: set[Cohort] = set()  # cohorts with a member whose update has log-probabilities
         ended: list[Slot] = []
         for ev in events:
             slot = self._resolve(ev.request_id)
@@ -139,13 +140,16 @@ class StepLoop:
                 ended.append(slot)
             cohort = run.cohort
             if isinstance(cohort, Cohort) and not cohort.is_closed:
-                updates.setdefault(cohort, []).append(MemberUpdate(
-                    slot.slot_id, is_ended, list(ev.token_ids), ev.text, ev.finish_reason,
-                    ev.error, ev.logprobs, ev.prompt_logprobs))
+                update = MemberUpdate(slot.slot_id, is_ended, list(ev.token_ids), ev.text,
+                                      ev.finish_reason, ev.error)
+                if ev.logprobs or ev.prompt_logprobs:  # asked for: rare
+                    update.logprobs, update.prompt_logprobs = ev.logprobs, ev.prompt_logprobs
+                    scored.add(cohort)
+                updates.setdefault(cohort, []).append(update)
                 if is_ended:
                     cohort.drop(slot.slot_id)
         for cohort, members in updates.items():
-            cohort.deliver(CohortEvent(self.num_steps, members))
+            cohort.deliver(CohortEvent(self.num_steps, members, has_scores=cohort in scored))
             cohort.maybe_end()
         for slot in ended:
             self._on_run_end(slot)
