@@ -4,6 +4,7 @@ runtime request Prepare builds."""
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -13,7 +14,7 @@ from llm_runner_svc.codec import constraint_from_pb, request_from_pb
 from llm_runner_svc.errors import FailedPrecondition, InvalidArgument, Unimplemented
 from llm_runner_svc.runtime import SamplingDefaults
 from llm_runner_svc.runtime.constraint import Constraint
-from llm_runner_svc.stage import StageConfig, StageRequest
+from llm_runner_svc.stage import StageConfig, StageRequest, load_stage_config
 from llm_runner_svc.stage.admission import (
     Refusal,
     Refused,
@@ -24,6 +25,7 @@ from llm_runner_svc.stage.admission import (
     check_request,
 )
 from llm_runner_svc.stage.limits import RequestLimits
+from llm_runner_svc.stage.runner_keys import ConfigError
 from services.contract.llmstage.v1 import stage_pb2 as pb
 from services.stage.slot import Slot
 
@@ -187,3 +189,14 @@ def test_values_that_leave_a_feature_off_ask_nothing_of_the_engine() -> None:
     check_features(plain, StageRequest("r", text="Hi", presence_penalty=0.0,
                                        frequency_penalty=0.0, repetition_penalty=1.0,
                                        min_p=0.0))
+
+
+def test_max_grammar_bytes_is_a_stage_key(tmp_path) -> None:
+    path = tmp_path / "stage.json"
+    path.write_text(json.dumps({"stages": [{"id": "s", "runner": "llm.backbone",
+                                            "maxGrammarBytes": 1024}]}))
+    assert load_stage_config(path).limits.max_grammar_bytes == 1024
+    path.write_text(json.dumps({"stages": [{"id": "s", "runner": "llm.backbone",
+                                            "maxGrammarBytes": 0}]}))
+    with pytest.raises(ConfigError, match="maxGrammarBytes: must be an integer >= 1"):
+        load_stage_config(path)
