@@ -40,8 +40,7 @@ from llm_runner_svc.engines.batch import (
     TokenLogprob,
     split_passes,
 )
-from llm_runner_svc.engines.numpy_processors import pick_rows, token_logprobs
-from llm_runner_svc.engines.numpy_sampling import verify_picks
+from llm_runner_svc.engines.numpy_processors import pick_rows, token_logprobs, verify_row_picks
 from llm_runner_svc.errors import FailedPrecondition
 
 
@@ -162,8 +161,9 @@ class BatchedEngine(Engine):
             for i, tok, lp in zip(chosen, found, found_lp, strict=True):
                 picks[i], logprobs[i] = tok, lp
         self._last_picks = picks
-        verified = [verify_picks(self._verified[i], r.verify_samples or (r.sample,) * r.verify,
-                                 r.tokens[1:]) if r.verify and r.sample is not None else None
+        verified = [verify_row_picks(self._verified[i],
+                                     r.verify_samples or (r.sample,) * r.verify, r.tokens[1:])
+                    if r.verify and r.sample is not None else None
                     for i, r in enumerate(rows)]
         return StepOutput(picks, hidden, verified, logprobs,
                           scores.scores if scores is not None else [None] * len(rows))

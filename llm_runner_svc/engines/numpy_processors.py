@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from llm_runner_svc.engines.batch import SampleSpec, TokenLogprob, TokenMask
-from llm_runner_svc.engines.numpy_sampling import apply_logit_bias, sample_rows
+from llm_runner_svc.engines.numpy_sampling import apply_logit_bias, sample_rows, verify_picks
 
 LOGPROB_ROWS = 64  # rows whose log-softmax is taken at once (float64 copies of the logits)
 
@@ -115,6 +115,17 @@ def process_rows(logits: np.ndarray, specs: Sequence[SampleSpec]) -> None:
     apply_logit_bias(logits, specs)
     apply_penalties(logits, specs)
     apply_masks(logits, specs)
+
+
+def verify_row_picks(logits: np.ndarray, specs: Sequence[SampleSpec],
+                     proposed: Sequence[int]) -> list[int]:
+    """`verify_picks` over logits [K, vocab] processed first by each position's spec (bias,
+    penalties, its mask: a constrained request's position past proposed tokens) when any
+    asks; the raw logits are left as they are."""
+    if not all(s.is_plain for s in specs):
+        logits = np.array(logits, dtype=np.float32)  # [K, vocab] (a copy)
+        process_rows(logits, specs)
+    return verify_picks(logits, specs, proposed)
 
 
 def top_tokens(row: np.ndarray, k: int) -> np.ndarray:

@@ -53,7 +53,7 @@ from llm_runner_svc.engines.batch import (
     split_passes,
 )
 from llm_runner_svc.engines.batched import CapturedStates
-from llm_runner_svc.engines.numpy_sampling import verify_picks
+from llm_runner_svc.engines.numpy_processors import verify_row_picks
 from llm_runner_svc.engines.torch_forward import Forward
 from llm_runner_svc.engines.torch_graphs import DecodeGraphs, InputStager, PrefillGraphs
 from llm_runner_svc.engines.torch_lora import TorchGroups, TorchLora
@@ -301,10 +301,10 @@ class TorchSteps(Engine):
             end += r.length - 1
             k = r.verify
             if k and r.sample is not None:
-                if r.sample.is_greedy:
+                if r.sample.is_greedy and not r.verify_samples:
                     self._on_device.append((i, end - k, k))
-                else:
-                    self._verified[i] = verify_picks(
+                else:  # sampled, or under a constraint's masks: on the host
+                    self._verified[i] = verify_row_picks(
                         _host_copy(s.logits[n + end - k:n + end]), r.verify_samples,
                         r.tokens[-k:])
         if self._on_device:
@@ -365,11 +365,11 @@ class TorchSteps(Engine):
             self.state.logits[first + seg.row].copy_(every[k])
             self._headed.add(first + seg.row)
             logits = every[:k]
-            if row.sample.is_greedy:
+            if row.sample.is_greedy and not row.verify_samples:
                 torch.argmax(logits, dim=-1, out=self.picks.verify_ids[first + seg.row, :k])
                 self._on_device.append((first + seg.row, (first + seg.row) * MAX_VERIFY, k))
-            else:
-                self._verified[first + seg.row] = verify_picks(
+            else:  # sampled, or under a constraint's masks: on the host
+                self._verified[first + seg.row] = verify_row_picks(
                     _host_copy(logits), row.verify_samples, row.tokens[1:])
 
     def _score_heads(self, p: Pass, rows: Sequence[Row], first: int) -> None:

@@ -170,6 +170,17 @@ class GrammarMatcher(TokenMask):
             raise InvalidArgument(f"structured output cannot roll back {num_tokens} tokens: "
                                   f"{self._m.get_error()}")
 
+    def forks(self, tokens: Sequence[int]) -> list[GrammarMatcher]:
+        """len(tokens) + 1 matchers: this one's state past tokens[:j] for each j (copies;
+        this one does not advance). The tokens must be allowed (`valid_prefix`)."""
+        out = [self]
+        for tok in tokens:
+            nxt = GrammarMatcher(out[-1]._m.deep_copy(), self._executor)
+            if not nxt.accept(tok):
+                raise InvalidArgument(f"token {tok} is not allowed here: {nxt.error}")
+            out.append(nxt)
+        return out
+
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading `tokens` the constraint allows from here (nothing advances)."""
         return int(self._m.validate_tokens(list(tokens)))

@@ -204,18 +204,20 @@ class SequenceState:
         self.error = error
         return True
 
-    def spec(self, index: int, is_proposed: bool = False) -> SampleSpec:
+    def spec(self, index: int, is_proposed: bool = False, mask: Any = None) -> SampleSpec:
         """How to pick output token `index`; `is_proposed`: a proposed token stands there
-        (a verify row), whose acceptance takes a draw too. A greedy pick uses no draw, so a
-        greedy request's spec is the same every step: built once."""
-        if self.greedy_spec is not None:
+        (a verify row), whose acceptance takes a draw too; `mask`: the constraint's state
+        there when it is not the request's own (a verify row's position past proposed
+        tokens). A greedy pick uses no draw, so a greedy request's spec is the same every
+        step: built once."""
+        if self.greedy_spec is not None and mask is None:
             return self.greedy_spec
         sp = self.req.sampling
         spec = SampleSpec(sp.temperature, sp.top_k, sp.top_p, uniform_draw(sp.seed, index),
                           sp.logit_bias or None,
                           accept_draw(sp.seed, index) if is_proposed else 0.0,
-                          sp.min_p, self._penalties, self.matcher,
+                          sp.min_p, self._penalties, self.matcher if mask is None else mask,
                           -1 if sp.logprobs is None else sp.logprobs)
-        if spec.is_greedy:
+        if spec.is_greedy and mask is None:
             self.greedy_spec = spec
         return spec

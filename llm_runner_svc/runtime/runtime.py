@@ -257,14 +257,15 @@ class InferenceRuntime(SequenceAdvance):
 
     def _speculates(self, req: GenerationRequest) -> bool:
         """Speculative decoding serves requests whose picks depend on the logits alone
-        (no logit bias, penalty, min_p, constraint or log-probabilities): greedy ones yield
-        exactly plain greedy decoding's tokens, sampled ones tokens distributed as plain
-        sampling's (rejection sampling); the others, and those that opt out, decode
-        plainly."""
+        or on a constraint as well (proposals cut to what it allows, each verified position
+        under the constraint's mask there): greedy ones yield exactly plain greedy decoding's
+        tokens, sampled ones tokens distributed as plain sampling's (rejection sampling).
+        Requests with logit bias, penalties, min_p or log-probabilities, and those that opt
+        out, decode plainly."""
         sp = req.sampling
         return self.config.spec is not None and not req.disable_spec_decode and \
-            not (sp.logit_bias or has_penalties(sp) or sp.min_p or req.constraint
-                 or sp.logprobs is not None)
+            not (sp.logit_bias or has_penalties(sp) or sp.min_p or sp.logprobs is not None)
+
 
     def cancel(self, request_id: str) -> bool:
         """Ask for `request_id` to end as cancelled at the top of the next step."""

@@ -138,6 +138,8 @@ class Scheduler:
         if k <= 0:
             return ()
         proposal = tuple(self._proposed.get(id(seq), ())[:k])
+        if seq.matcher is not None:  # what the constraint would refuse is not verified
+            proposal = proposal[:seq.matcher.valid_prefix(proposal)]
         if len(proposal) < seq.proposer.config.min_proposal:
             return ()
         seq.metrics.proposed_tokens += len(proposal)
@@ -270,6 +272,12 @@ class Scheduler:
         spec = seq.spec(index + verify) if pick else None
         samples = () if spec is None or spec.is_greedy else \
             tuple(seq.spec(index + j, is_proposed=True) for j in range(verify))
+        if verify and spec is not None and seq.matcher is not None:
+            # each position's mask: the constraint past the proposed tokens before it
+            forks = seq.matcher.forks(tokens[1:])
+            samples = tuple(seq.spec(index + j, is_proposed=True, mask=forks[j])
+                            for j in range(verify))
+            spec = seq.spec(index + verify, mask=forks[verify])
         n = len(seq.req.prompt_ids)
         embeds = seq.req.embeds if tokens and start < n else ()
         score: tuple[int, ...] = ()

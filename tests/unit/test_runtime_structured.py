@@ -1,6 +1,7 @@
 """Structured output, penalties and log-probabilities through the runtime, on the numpy and
 torch (CPU) engines with the embedded model: constrained outputs parse and validate, also
-across chunked prefill, preemption, the prefix cache and a speculative deployment; penalties
+across chunked prefill, preemption, the prefix cache and speculative decoding (proposals
+verified under the constraint's masks); penalties
 and log-probabilities equal what a hand-written loop over the engine's logits gives."""
 
 from __future__ import annotations
@@ -168,17 +169,25 @@ def test_chunked_prefill_preemption_and_cache_keep_the_output(stories: Model,
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_speculative_deployment_serves_constrained_requests_plainly(stories: Model,
-                                                                    engine: str) -> None:
-    plain_rt = runtime(stories, engine, max_batch=2, max_seq=256)
-    ref = run(plain_rt, request(stories, "a", JSON_ORDER))["a"]
+def test_speculative_deployment_verifies_constrained_proposals(stories: Model,
+                                                               engine: str) -> None:
+    # the prompt holds documents of the schema, so prompt lookup proposes their tokens
+    prompt = '{"item":"cake","count":3,"express":true,"tags":["red","big"]} ' * 3
+    greedy = request(stories, "g", JSON_ORDER, prompt=prompt)
+    sampled = [request(stories, f"s{i}", JSON_ORDER, prompt=prompt, temperature=1.0,
+                       top_k=0, top_p=1.0, seed=i) for i in range(3)]
+    plain_rt = runtime(stories, engine, max_batch=4, max_seq=256)
+    ref = run(plain_rt, greedy)["g"]
     plain_rt.close()
-    rt = runtime(stories, engine, max_batch=2, max_seq=256,
+    rt = runtime(stories, engine, max_batch=4, max_seq=256,
                  spec=SpecConfig(method="ngram", proposal_tokens=4))
-    out = run(rt, request(stories, "a", JSON_ORDER))["a"]
+    out = run(rt, greedy, *sampled)
     rt.close()
-    assert out["ids"] == ref["ids"]
-    assert_valid_order(out)
+    assert out["g"]["ids"] == ref["ids"], "greedy verification gives plain decoding's tokens"
+    assert out["g"]["metrics"].proposed_tokens > 0
+    assert sum(o["metrics"].accepted_tokens for o in out.values()) > 0
+    for o in out.values():
+        assert_valid_order(o)
 
 
 def test_a_constraint_that_does_not_compile_is_refused(rt: InferenceRuntime,
