@@ -1,15 +1,17 @@
 """Log-probabilities and structured output through a real orchestrator and stage: a caller that
 reads slowly gets deltas that gather several steps, each with one log-probability per token in
 order and the prompt's once; a structured output that does not compile ends the call with the
-stage's refusal."""
+stage's refusal; `llm-stage generate` constrains and reports log-probabilities."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import grpc
 import pytest
 from deployment import Deployment
+from llm_stage_client.cli import main
 
 from services.contract.llmstage.v1 import orchestrator_pb2 as opb
 from services.contract.llmstage.v1 import orchestrator_pb2_grpc
@@ -57,3 +59,19 @@ def test_a_structured_output_that_does_not_compile_ends_the_call(deployment: Dep
         list(deployment.stub.Generate(request, timeout=60))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "REFUSAL_STRUCTURED_OUTPUT" in (err.value.details() or "")
+
+
+def test_the_cli_constrains_and_reports_logprobs(deployment: Deployment,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--target", deployment.target, "--choice", "yes", "--choice",
+                 "no", "--logprobs", "1", "--prompt-logprobs", "0", "--max-tokens", "8",
+                 "Is the sky blue? "]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(err.strip().splitlines()[-1])
+    assert out.rstrip("\n") in ("yes", "no")
+    assert report["diagnostics"]["backbone"]["structured_output"] == "choice"
+    assert len(report["logprobs"]) == report["completion_tokens"]
+    assert all(len(lp["top"]) == 1 for lp in report["logprobs"])
+    assert len(report["prompt_logprobs"]) == report["prompt_tokens"] - 1
+    assert main(["generate", "--target", deployment.target, "--regex", "(ab", "Hi"]) == 2
+    assert "REFUSAL_STRUCTURED_OUTPUT" in capsys.readouterr().err
