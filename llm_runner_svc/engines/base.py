@@ -129,7 +129,8 @@ class Engine(ABC):
 
     @abstractmethod
     def sample(self, specs: Sequence[SampleSpec]) -> list[int]:
-        """Pick a token for logits rows 0 .. len(specs)-1. Applies logit bias in place."""
+        """Pick a token for logits rows 0 .. len(specs)-1. Processes the logits in place
+        (bias, penalties, masks: numpy_processors.py)."""
 
     @abstractmethod
     def logits(self, num_rows: int) -> Any:
