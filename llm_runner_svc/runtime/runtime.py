@@ -45,7 +45,7 @@ from llm_runner_svc.runtime.request import (
     SequenceState,
     StepEvent,
 )
-from llm_runner_svc.runtime.sampling import has_penalties
+from llm_runner_svc.runtime.sampling import SamplingParams, has_penalties
 from llm_runner_svc.runtime.scheduler import Scheduler
 from llm_runner_svc.runtime.speculative import NgramProposer
 from llm_runner_svc.runtime.stops import StopMatcher
@@ -188,17 +188,23 @@ class InferenceRuntime(SequenceAdvance):
                                 "token mask: structured output needs engine numpy or torch")
         self.grammars.compile(constraint)
 
+    def check_sampling(self, sp: SamplingParams) -> None:
+        """Unimplemented, naming the field, for what `sp` asks and the engine cannot do (its
+        supports_* flags); a value that leaves a control off asks nothing."""
+        eng = self.engine
+        for name, asked, able, does in (
+                ("logprobs", sp.logprobs is not None, eng.supports_logprobs,
+                 "gives no log-probabilities"),
+                ("prompt_logprobs", sp.prompt_logprobs is not None, eng.supports_scores,
+                 "gives no prompt log-probabilities"),
+                ("penalties, min_p", has_penalties(sp) or sp.min_p > 0,
+                 eng.supports_penalties, "applies no penalties or min_p")):
+            if asked and not able:
+                raise Unimplemented(f"{name}: engine {eng.name} {does} (engines that do: "
+                                    "numpy, torch)")
+
     def _check_features(self, req: GenerationRequest) -> None:
-        """Unimplemented for what the engine cannot do (engine.supports_*)."""
-        sp, eng = req.sampling, self.engine
-        lacks = [what for what, asked, able in (
-            ("penalties and min_p", has_penalties(sp) or sp.min_p > 0, eng.supports_penalties),
-            ("log-probabilities", sp.logprobs is not None, eng.supports_logprobs),
-            ("prompt log-probabilities", sp.prompt_logprobs is not None, eng.supports_scores),
-        ) if asked and not able]
-        if lacks:
-            raise Unimplemented(f"engine {eng.name} gives no {lacks[0]} (engines that do: "
-                                "numpy, torch)")
+        self.check_sampling(req.sampling)
         if req.constraint is not None:
             self.check_constraint(req.constraint)
 

@@ -108,19 +108,12 @@ def check_features(runtime: InferenceRuntime, req: StageRequest) -> None:
     """Refuse at Admit what the stage's engine cannot give, rather than when the request
     joins a Step stream: log-probabilities, prompt log-probabilities, penalties, min_p (a
     value that leaves one off asks nothing)."""
-    eng = runtime.engine
-    has_penalties = bool(req.presence_penalty or req.frequency_penalty or req.min_p
-                         or req.repetition_penalty not in (None, 1.0))
-    for name, is_asked, is_able, does in (
-            ("logprobs", req.logprobs is not None, eng.supports_logprobs,
-             "gives no log-probabilities"),
-            ("prompt_logprobs", req.prompt_logprobs is not None, eng.supports_scores,
-             "gives no prompt log-probabilities"),
-            ("penalties, min_p", has_penalties, eng.supports_penalties,
-             "applies no penalties or min_p")):
-        if is_asked and not is_able:
-            raise Refused(Refusal.SAMPLING_OUT_OF_RANGE, f"{name}: engine {eng.name} {does} "
-                          "(engines that do: numpy, torch)")
+    try:
+        runtime.check_sampling(sampling_params(runtime.config.sampling, req))
+    except Unimplemented as exc:
+        raise Refused(Refusal.SAMPLING_OUT_OF_RANGE, exc.message) from exc
+    except InvalidArgument:
+        return  # a value out of range: check_request refuses it, naming the field
 
 
 def check_constraint(runtime: InferenceRuntime, constraint: Constraint) -> None:

@@ -11,8 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from llm_runner_svc.codec import constraint_from_pb, request_from_pb
+from llm_runner_svc.engines import create_engine
 from llm_runner_svc.errors import FailedPrecondition, InvalidArgument, Unimplemented
-from llm_runner_svc.runtime import SamplingDefaults
+from llm_runner_svc.models.model import Model
+from llm_runner_svc.runtime import InferenceRuntime, RuntimeConfig, SamplingDefaults
 from llm_runner_svc.runtime.constraint import Constraint
 from llm_runner_svc.stage import StageConfig, StageRequest, load_stage_config
 from llm_runner_svc.stage.admission import (
@@ -165,30 +167,34 @@ def test_the_runtime_request_carries_every_new_field() -> None:
         (0.0, 1.0, 0.0, None, None)
 
 
+def runtime_without_features(model: Model, able: bool) -> InferenceRuntime:
+    """A real runtime over the numpy engine, its engine's supports_* flags set to `able`."""
+    engine = create_engine("numpy", model.config, model.weights)
+    for flag in ("supports_logprobs", "supports_scores", "supports_penalties"):
+        setattr(engine, flag, able)
+    return InferenceRuntime(engine, model.tokenizer, RuntimeConfig())
+
+
 @pytest.mark.parametrize("kw,needle", [
-    (dict(logprobs=0), "logprobs: engine plain gives no log-probabilities"),
-    (dict(prompt_logprobs=2), "prompt_logprobs: engine plain gives no prompt"),
-    (dict(presence_penalty=0.5), "penalties, min_p: engine plain applies no"),
-    (dict(min_p=0.1), "penalties, min_p: engine plain applies no"),
+    (dict(logprobs=0), "logprobs: engine numpy gives no log-probabilities"),
+    (dict(prompt_logprobs=2), "prompt_logprobs: engine numpy gives no prompt"),
+    (dict(presence_penalty=0.5), "penalties, min_p: engine numpy applies no"),
+    (dict(min_p=0.1), "penalties, min_p: engine numpy applies no"),
 ], ids=["logprobs", "prompt_logprobs", "penalty", "min_p"])
-def test_what_the_engine_cannot_give_is_refused_at_admit(kw: dict, needle: str) -> None:
-    plain = SimpleNamespace(engine=SimpleNamespace(
-        name="plain", supports_logprobs=False, supports_scores=False, supports_penalties=False))
+def test_what_the_engine_cannot_give_is_refused_at_admit(stories: Model, kw: dict,
+                                                         needle: str) -> None:
     with pytest.raises(Refused) as info:
-        check_features(plain, StageRequest("r", text="Hi", **kw))
+        check_features(runtime_without_features(stories, False),
+                       StageRequest("r", text="Hi", **kw))
     assert info.value.refusal is Refusal.SAMPLING_OUT_OF_RANGE
     assert needle in info.value.reason
-    able = SimpleNamespace(engine=SimpleNamespace(
-        name="able", supports_logprobs=True, supports_scores=True, supports_penalties=True))
-    check_features(able, StageRequest("r", text="Hi", **kw))
+    check_features(runtime_without_features(stories, True), StageRequest("r", text="Hi", **kw))
 
 
-def test_values_that_leave_a_feature_off_ask_nothing_of_the_engine() -> None:
-    plain = SimpleNamespace(engine=SimpleNamespace(
-        name="plain", supports_logprobs=False, supports_scores=False, supports_penalties=False))
-    check_features(plain, StageRequest("r", text="Hi", presence_penalty=0.0,
-                                       frequency_penalty=0.0, repetition_penalty=1.0,
-                                       min_p=0.0))
+def test_values_that_leave_a_feature_off_ask_nothing_of_the_engine(stories: Model) -> None:
+    check_features(runtime_without_features(stories, False),
+                   StageRequest("r", text="Hi", presence_penalty=0.0, frequency_penalty=0.0,
+                                repetition_penalty=1.0, min_p=0.0))
 
 
 def test_max_grammar_bytes_is_a_stage_key(tmp_path) -> None:
