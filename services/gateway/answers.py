@@ -23,8 +23,7 @@ from services.gateway.logprobs import (
     ids_of,
     prompt_positions,
 )
-from services.gateway.tool_stream import ToolStream
-from services.gateway.tools import parse_calls
+from services.gateway.tool_stream import ToolStream, calls_of
 from services.gateway.upstream import Outcome, Piece, TokenLogprob
 
 _FINISH = {"end_of_sequence": "stop", "stop_words": "stop", "max_length": "length",
@@ -64,7 +63,7 @@ async def whole_choice(call: Call, index: int, gen: Generation, prompt: Prompt,
     """The non-streaming choice `index` of generation `gen`."""
     assert gen.outcome is not None
     choice: dict[str, Any] = {"index": index}
-    calls = parse_calls(call.tools, gen.text) if call.tools is not None else None
+    calls = calls_of(call.tools, gen.text) if call.tools is not None else None
     if call.kind == "chat":
         choice["message"] = {"role": "assistant", "content": gen.text} if not calls else {
             "role": "assistant", "content": None,

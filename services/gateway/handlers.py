@@ -1,16 +1,17 @@
-"""The routes: each parses its body into a Call (call.py), makes one Generate call through
-Upstream and answers in OpenAI's shapes (shapes.py). Errors are raised, never answered here
-(middleware.py maps them).
+"""The routes: each parses its body into Calls (call.py), makes one Generate call per choice
+(runs.py) and answers in OpenAI's shapes (answers.py, shapes.py). Errors are raised, never
+answered here (middleware.py maps them).
 
-Streaming waits for the first event of the Generate stream before it answers 200, so what
-fails before any text (a refused request, a full queue, an orchestrator that is down) gets its
-own HTTP status; a failure after that ends the stream with an error event and no `[DONE]`.
-A client that goes away cancels the handler (the runner is built with handler cancellation),
-which closes the Generate call and so cancels the request on every stage.
+Streaming waits for the first event of every choice's Generate stream before it answers 200,
+so what fails before any text (a refused request, a full queue, an orchestrator that is down)
+gets its own HTTP status; a failure after that ends the stream with an error event and no
+`[DONE]`. A client that goes away cancels the handler (the runner is built with handler
+cancellation), which closes the Generate calls and so cancels the request on every stage.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -147,7 +148,8 @@ async def _stream(request: web.Request, merged: Merged, streams: list[ChoiceStre
         await _relay(request, merged, held, streams, shaper, response, t0, include_usage)
     finally:
         await merged.close()  # cancels the calls still running when the client went away
-    await response.write_eof()
+    with contextlib.suppress(ConnectionResetError):  # a client may leave once it has [DONE]
+        await response.write_eof()
     return response
 
 

@@ -25,7 +25,7 @@ class ToolStream:
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.text = ""  # everything fed
-        self.num_calls = 0
+        self.calls: list[ToolCall] = []  # required: the calls whose objects closed
         self._is_content = False  # auto: the text is not a call
         self._scanned = 0  # required: how far the text is scanned
         self._depth = 0
@@ -43,7 +43,10 @@ class ToolStream:
             return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}] \
                 if text else []
         if self.plan.mode == "required":
-            return self._scan()
+            done = len(self.calls)
+            self._scan()
+            return [_call_delta(done + i, c, c.arguments)
+                    for i, c in enumerate(self.calls[done:])]
         if self._is_content:
             return [{"content": text}] if text else []
         held = self.text.lstrip()
@@ -58,7 +61,7 @@ class ToolStream:
             if self._named is None:
                 return [_call_delta(0, ToolCall.create(self.plan.name, ""), "")], True
             return [], True
-        if self.num_calls:
+        if self.calls:
             return [], True
         if self.plan.mode == "auto" and not self._is_content:
             calls = parse_calls(self.plan, self.text)
@@ -68,9 +71,9 @@ class ToolStream:
             return [], False
         return [{"content": self.text}], False
 
-    def _scan(self) -> list[dict[str, Any]]:
-        """Calls whose objects closed since the last scan (the top-level array's items)."""
-        out = []
+    def _scan(self) -> None:
+        """Adds the calls whose objects closed since the last scan (the top-level array's
+        items) to `calls`."""
         for i in range(self._scanned, len(self.text)):
             ch = self.text[i]
             if self._in_string:
@@ -89,12 +92,19 @@ class ToolStream:
             elif ch in "]}":
                 self._depth -= 1
                 if self._depth == 1:
-                    calls = parse_calls(self.plan, self.text[self._start:i + 1])
-                    for call in calls or ():
-                        out.append(_call_delta(self.num_calls, call, call.arguments))
-                        self.num_calls += 1
+                    self.calls.extend(parse_calls(self.plan, self.text[self._start:i + 1])
+                                      or ())
         self._scanned = len(self.text)
-        return out
+
+
+def calls_of(plan: ToolPlan, text: str) -> list[ToolCall] | None:
+    """The tool calls of a whole output, as its stream would have sent them: a required
+    array's complete calls even when max_tokens cut it short."""
+    if plan.mode != "required":
+        return parse_calls(plan, text)
+    stream = ToolStream(plan)
+    stream.feed(text)
+    return stream.calls or None
 
 
 def _call_delta(index: int, call: ToolCall, arguments: str) -> dict[str, Any]:
