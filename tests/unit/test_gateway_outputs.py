@@ -27,9 +27,9 @@ WEATHER = {"type": "function", "function": {
     "name": "weather", "description": "The weather in a city", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
         "additionalProperties": False}}}
-TIME = {"type": "function", "function": {"name": "time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"],
-    "additionalProperties": False}}}
+TIME_PARAMETERS = {"type": "object", "properties": {"zone": {"type": "integer"}},
+                   "required": ["zone"], "additionalProperties": False}
+TIME = {"type": "function", "function": {"name": "time", "parameters": TIME_PARAMETERS}}
 
 
 @pytest.mark.parametrize("extra, expected", [
@@ -110,7 +110,7 @@ def test_a_named_tool_constrains_to_its_parameters() -> None:
         "type": "function", "function": {"name": "time"}}})
     assert call.tools is not None and call.tools.mode == "named"
     assert call.constraint is not None and call.constraint.source == "tool_choice"
-    assert json.loads(str(call.constraint.value)) == TIME["function"]["parameters"]
+    assert json.loads(str(call.constraint.value)) == TIME_PARAMETERS
     system = call.messages[0] if call.messages else None
     assert system is not None and system[0] == "system" and '"time"' in str(system[1])
     with pytest.raises(BadField) as info:
