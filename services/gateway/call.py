@@ -25,14 +25,23 @@ from typing import Any
 from services.errors import InvalidArgument
 from services.gateway.constraints import Constraint, constraint_of, exclusive
 from services.gateway.errors import BadField
+from services.gateway.fields import (
+    MAX_TOKEN_ID,
+    is_int,
+    logit_bias,
+    opt_bool,
+    opt_float,
+    opt_int,
+    ranged,
+    stop,
+)
 from services.gateway.messages import Messages, messages_of
 from services.gateway.tools import ToolPlan, tool_plan_of
 
-__all__ = ["BadField", "Call", "Sampling", "messages_of", "parse_chat", "parse_completion",
-           "parse_completions"]
+__all__ = ["MAX_TOKEN_ID", "BadField", "Call", "Sampling", "messages_of", "parse_chat",
+           "parse_completion", "parse_completions"]
 
 MAX_SEED = (1 << 64) - 1
-MAX_TOKEN_ID = (1 << 31) - 1
 MAX_LOGPROBS = 20  # the contract's most alternatives per position
 MAX_CHOICES = 128  # n: each choice is its own Generate call
 MAX_PENALTY = 2.0  # OpenAI's presence and frequency penalties are in [-2, 2]
@@ -133,16 +142,16 @@ def parse_chat(body: Any) -> Call:
     """A `/v1/chat/completions` body."""
     body = _object(body)
     _refuse_unsupported(body, "chat")
-    max_tokens = _opt_int(body, "max_completion_tokens", 1)
+    max_tokens = opt_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
-        max_tokens = _opt_int(body, "max_tokens", 1)
+        max_tokens = opt_int(body, "max_tokens", 1)
     plan = tool_plan_of(body)
     images: list[tuple[str, bytes]] = []
     messages = messages_of(body.get("messages"), images)
     if plan is not None:
         messages = _with_system(messages, plan.prompt())
-    is_logprobs = _opt_bool(body, "logprobs")
-    top = _opt_int(body, "top_logprobs", 0)
+    is_logprobs = opt_bool(body, "logprobs")
+    top = opt_int(body, "top_logprobs", 0)
     if top is not None and top > MAX_LOGPROBS:
         raise BadField("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}]")
     if top and not is_logprobs:
@@ -168,10 +177,10 @@ def parse_completions(body: Any) -> tuple[Call, ...]:
     body = _object(body)
     _refuse_unsupported(body, "completion")
     prompt = body.get("prompt")
-    is_echo = bool(_opt_bool(body, "echo"))
-    max_tokens = _opt_int(body, "max_tokens", 0 if is_echo else 1)
+    is_echo = bool(opt_bool(body, "echo"))
+    max_tokens = opt_int(body, "max_tokens", 0 if is_echo else 1)
     logprobs = body.get("logprobs")
-    if logprobs is not None and not (_is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS):
+    if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS):
         raise BadField("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (the "
                        "alternatives listed per token)")
     # The stage refuses max_tokens 0 (a request generates at least one token): a prompt-only
@@ -179,7 +188,7 @@ def parse_completions(body: Any) -> tuple[Call, ...]:
     common = _common(body, 1 if max_tokens == 0 else max_tokens, constraint_of(body))
     common.update(echo=is_echo, logprobs=logprobs, is_prompt_only=max_tokens == 0)
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                   and all(_is_int(t) for t in prompt)):
+                                   and all(is_int(t) for t in prompt)):
         return (_completion(prompt, "prompt", common),)
     if not (isinstance(prompt, list) and prompt):
         raise BadField("prompt", "prompt must be a string, a list of token ids, or a "
@@ -193,7 +202,7 @@ def parse_completions(body: Any) -> tuple[Call, ...]:
 def _completion(prompt: Any, where: str, common: dict[str, Any]) -> Call:
     if isinstance(prompt, str):
         return Call(kind="completion", text=prompt, **common)
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         if not all(0 <= t <= MAX_TOKEN_ID for t in prompt):
             raise BadField("prompt", f"{where}: token ids must be in [0, 2^31)")
         return Call(kind="completion", token_ids=tuple(prompt), **common)
@@ -205,23 +214,23 @@ def _common(body: dict[str, Any], max_tokens: int | None, constraint: Constraint
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadField("model", "model is required (GET /v1/models lists them)")
-    n = _opt_int(body, "n", 1) or 1
+    n = opt_int(body, "n", 1) or 1
     if n > MAX_CHOICES:
         raise BadField("n", f"n must be in [1, {MAX_CHOICES}]")
-    best_of = _opt_int(body, "best_of", 1)
+    best_of = opt_int(body, "best_of", 1)
     if best_of not in (None, n):
         raise BadField("best_of", f"best_of must equal n ({n}): this server returns every "
                        "generation it runs and ranks none")
-    _opt_bool(body, "parallel_tool_calls")  # honoured with tools (tools.py)
-    is_stream = _opt_bool(body, "stream")
+    opt_bool(body, "parallel_tool_calls")  # honoured with tools (tools.py)
+    is_stream = opt_bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not (is_stream and isinstance(options, dict)):
         raise BadField("stream_options", "stream_options is an object, only with stream: true")
-    include_usage = bool(_opt_bool(options or {}, "include_usage"))
-    if _opt_bool(options or {}, "continuous_usage_stats"):
+    include_usage = bool(opt_bool(options or {}, "include_usage"))
+    if opt_bool(options or {}, "continuous_usage_stats"):
         raise BadField("stream_options", "stream_options.continuous_usage_stats is not "
                        "supported: the usage comes in the last chunk (include_usage)")
-    seed = _opt_int(body, "seed", 0)
+    seed = opt_int(body, "seed", 0)
     if seed is not None and seed > MAX_SEED:
         raise BadField("seed", "seed must be in [0, 2^64)")
     user = body.get("user")
@@ -231,18 +240,18 @@ def _common(body: dict[str, Any], max_tokens: int | None, constraint: Constraint
     if lora is not None and not isinstance(lora, str):
         raise BadField("lora", "lora must be a string (an adapter name)")
     sampling = Sampling(
-        temperature=_ranged(body, "temperature", 0, MAX_TEMPERATURE),
-        top_p=_opt_float(body, "top_p"), top_k=_opt_int(body, "top_k", 0),
+        temperature=ranged(body, "temperature", 0, MAX_TEMPERATURE),
+        top_p=opt_float(body, "top_p"), top_k=opt_int(body, "top_k", 0),
         max_tokens=max_tokens, seed=seed,
-        presence_penalty=_ranged(body, "presence_penalty", -MAX_PENALTY, MAX_PENALTY),
-        frequency_penalty=_ranged(body, "frequency_penalty", -MAX_PENALTY, MAX_PENALTY),
-        repetition_penalty=_ranged(body, "repetition_penalty", 0, math.inf, is_low_open=True),
-        min_p=_ranged(body, "min_p", 0, 1))
+        presence_penalty=ranged(body, "presence_penalty", -MAX_PENALTY, MAX_PENALTY),
+        frequency_penalty=ranged(body, "frequency_penalty", -MAX_PENALTY, MAX_PENALTY),
+        repetition_penalty=ranged(body, "repetition_penalty", 0, math.inf, is_low_open=True),
+        min_p=ranged(body, "min_p", 0, 1))
     return {"model": model, "is_stream": bool(is_stream), "include_usage": include_usage,
-            "sampling": sampling, "stop": _stop(body.get("stop")),
-            "logit_bias": _logit_bias(body.get("logit_bias")), "user": user or "",
-            "ignore_eos": bool(_opt_bool(body, "ignore_eos")), "lora": lora or "",
-            "disable_spec_decode": bool(_opt_bool(body, "disable_spec_decode")), "n": n,
+            "sampling": sampling, "stop": stop(body.get("stop")),
+            "logit_bias": logit_bias(body.get("logit_bias")), "user": user or "",
+            "ignore_eos": bool(opt_bool(body, "ignore_eos")), "lora": lora or "",
+            "disable_spec_decode": bool(opt_bool(body, "disable_spec_decode")), "n": n,
             "constraint": constraint}
 
 
@@ -272,75 +281,3 @@ def _asks_nothing(value: Any, neutral: tuple[Any, ...]) -> bool:
     """Whether `value` is one of `neutral`, a boolean never standing for a number (True == 1
     in Python) nor a number for a boolean."""
     return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
-
-
-def _stop(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,) if value else ()
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return tuple(s for s in value if s)
-    raise BadField("stop", "stop must be a string or a list of strings")
-
-
-def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, dict):
-        raise BadField("logit_bias", "logit_bias must be an object of token id -> bias")
-    out = []
-    for key, bias in value.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            raise BadField("logit_bias", f"logit_bias key {key!r} is not a token id") from None
-        if not 0 <= token <= MAX_TOKEN_ID:
-            raise BadField("logit_bias", f"logit_bias key {key!r} is out of range")
-        if not (_is_number(bias) and -100 <= bias <= 100):
-            raise BadField("logit_bias", f"logit_bias[{key}] must be a number in [-100, 100]")
-        out.append((token, float(bias)))
-    return tuple(out)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-def _opt_bool(body: dict[str, Any], key: str) -> bool | None:
-    value = body.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise BadField(key, f"{key} must be true or false")
-    return value
-
-
-def _opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if not _is_int(value) or value < minimum:
-        raise BadField(key, f"{key} must be an integer >= {minimum}")
-    return int(value)
-
-
-def _ranged(body: dict[str, Any], key: str, low: float, high: float,
-            is_low_open: bool = False) -> float | None:
-    """An optional number in [low, high] ((low, high] when `is_low_open`)."""
-    value = _opt_float(body, key)
-    if value is not None and (value < low or value > high or (is_low_open and value == low)):
-        span = f"{'(' if is_low_open else '['}{low:g}, {high:g}]".replace("inf]", "inf)")
-        raise BadField(key, f"{key} must be in {span}, got {value:g}")
-    return value
-
-
-def _opt_float(body: dict[str, Any], key: str) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if not _is_number(value):
-        raise BadField(key, f"{key} must be a finite number")
-    return float(value)
