@@ -292,8 +292,28 @@ def test_out_of_range_asks_are_refused(stories):
         engine.close()
 
 
-def test_graph_engines_give_no_prompt_scores():
+def test_graph_engines_pick_as_numpy_and_give_no_prompt_scores(stories):
     from llm_runner_svc.engines.graph_engine import GraphEngine
 
     assert GraphEngine.supports_scores is False
     assert GraphEngine.supports_masks and GraphEngine.supports_logprobs
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    ids = _prompt(stories)
+    outs = []
+    for name in ("numpy", "onnx"):
+        engine = create_engine(name, stories.config, stories.weights)
+        engine.preallocate(PLAN)
+        try:
+            outs.append(engine.read(engine.launch(Batch(_rows(ids, _specs(ids), scores=0)))))
+            if name == "onnx":
+                with pytest.raises(InvalidArgument):
+                    engine.launch(Batch(_rows(ids, _specs(ids))))
+        finally:
+            engine.close()
+    want, got = outs
+    assert list(got.picks) == list(want.picks)
+    for a, b in zip(want.logprobs, got.logprobs, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None and b is not None:
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
