@@ -4,7 +4,8 @@ the first largest logit and the others sample by temperature, top-k, then top-p 
 over the survivors with the row's own uniform draw; the raw log-probabilities of picks and of
 the likeliest tokens. Ties in value are ordered by token id, as on the host (among the
 tokens `torch.topk` returns: at a tie on the k-th value it may keep a larger id). Nothing
-waits on the device here; the caller copies the results out once.
+waits on the device here (the rows' parameters reach it through `on_device`); the caller
+copies the results out once.
 """
 
 from __future__ import annotations
@@ -17,13 +18,23 @@ from llm_runner_svc.engines.base import SampleSpec
 from llm_runner_svc.engines.numpy_processors import penalty_terms
 
 
+def on_device(values: Sequence[float] | Sequence[int] | Sequence[bool], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`, without waiting for the device: on CUDA staged in
+    pinned memory and copied in stream order (the caching host allocator keeps the staging
+    block until its copy has run; a blocking copy would wait for every queued kernel)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def apply_logit_bias(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> None:
     """Add each row's bias in place; logits [rows, vocab] float32."""
     for i, spec in enumerate(specs):
         if spec.logit_bias:
-            ids = torch.tensor(list(spec.logit_bias.keys()), dtype=torch.int64)
-            vals = torch.tensor(list(spec.logit_bias.values()), dtype=torch.float32)
-            logits[i].index_add_(0, ids.to(logits.device), vals.to(logits.device))
+            ids = on_device(list(spec.logit_bias.keys()), torch.int64, logits.device)
+            vals = on_device(list(spec.logit_bias.values()), torch.float32, logits.device)
+            logits[i].index_add_(0, ids, vals)
 
 
 def sample_on_device(logits: torch.Tensor, specs: Sequence[SampleSpec],
@@ -35,12 +46,14 @@ def sample_on_device(logits: torch.Tensor, specs: Sequence[SampleSpec],
         return
     dev = logits.device
     k_max = max(s.top_k if 0 < s.top_k < vocab else vocab for s in specs if not s.is_greedy)
-    ks = torch.tensor([s.top_k if 0 < s.top_k < vocab else vocab for s in specs], device=dev)
-    temps = torch.tensor([1.0 if s.is_greedy else s.temperature for s in specs], device=dev)
-    top_ps = torch.tensor([s.top_p for s in specs], device=dev)
-    uniforms = torch.tensor([s.uniform for s in specs], device=dev)
-    sampled_rows = torch.tensor([not s.is_greedy for s in specs], device=dev)
-    min_ps = torch.tensor([s.min_p for s in specs], device=dev)
+    f32 = torch.float32
+    ks = on_device([s.top_k if 0 < s.top_k < vocab else vocab for s in specs], torch.int64,
+                   dev)
+    temps = on_device([1.0 if s.is_greedy else s.temperature for s in specs], f32, dev)
+    top_ps = on_device([s.top_p for s in specs], f32, dev)
+    uniforms = on_device([s.uniform for s in specs], f32, dev)
+    sampled_rows = on_device([not s.is_greedy for s in specs], torch.bool, dev)
+    min_ps = on_device([s.min_p for s in specs], f32, dev)
     vals, ids = top_sorted(logits, k_max)
     rank = torch.arange(k_max, device=dev)[None, :]
     in_k = rank < ks[:, None]
@@ -79,14 +92,13 @@ def apply_penalties(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> None:
     rep_rows, rep_ids, rep_by, sub_rows, sub_ids, sub_by = penalty_terms(specs)
     dev = logits.device
     if rep_ids:
-        at = (torch.tensor(rep_rows, device=dev), torch.tensor(rep_ids, device=dev))
+        at = (on_device(rep_rows, torch.int64, dev), on_device(rep_ids, torch.int64, dev))
         vals = logits[at]  # [m] float32
-        by = torch.tensor(rep_by, dtype=torch.float32, device=dev)
+        by = on_device(rep_by, torch.float32, dev)
         logits[at] = torch.where(vals > 0, vals / by, vals * by)
     if sub_ids:
-        at = (torch.tensor(sub_rows, device=dev), torch.tensor(sub_ids, device=dev))
-        logits.index_put_(at, -torch.tensor(sub_by, dtype=torch.float32, device=dev),
-                          accumulate=True)
+        at = (on_device(sub_rows, torch.int64, dev), on_device(sub_ids, torch.int64, dev))
+        logits.index_put_(at, -on_device(sub_by, torch.float32, dev), accumulate=True)
 
 
 def apply_mask_words(logits: torch.Tensor, words: torch.Tensor) -> None:

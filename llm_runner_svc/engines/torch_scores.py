@@ -20,6 +20,7 @@ import torch
 from llm_runner_svc.engines.batch import TokenLogprob
 from llm_runner_svc.engines.numpy_processors import token_logprobs
 from llm_runner_svc.engines.torch_logprobs import LogprobRows, to_token_logprobs
+from llm_runner_svc.engines.torch_sampling import on_device
 
 Head = Callable[[torch.Tensor, torch.Tensor], None]  # (residuals [m, hidden], out [m, vocab])
 
@@ -79,7 +80,7 @@ class ScoreHeads:
                 continue
             if step.count + len(part) > self.entries.rows:
                 self._flush()
-            ids = torch.tensor(part, dtype=torch.int64, device=out.device)
+            ids = on_device(part, torch.int64, out.device)
             self.entries.write(out, ids, top, step.count)
             step.spans.append(Span(row, step.count, part, top))
             step.count += len(part)
