@@ -88,17 +88,22 @@ def top_sorted(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 
 def apply_penalties(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> None:
     """Each row's penalties in place (`numpy_processors.apply_penalties`'s rule, the same
-    float32 operations); logits [rows >= len(specs), vocab] float32."""
+    float32 operations); logits [rows >= len(specs), vocab] float32, contiguous. Entries
+    are addressed in the flattened logits (index_select / index_copy_ / index_add_, which
+    never wait for the device)."""
     rep_rows, rep_ids, rep_by, sub_rows, sub_ids, sub_by = penalty_terms(specs)
-    dev = logits.device
+    dev, vocab = logits.device, logits.shape[1]
+    flat = logits.view(-1)
     if rep_ids:
-        at = (on_device(rep_rows, torch.int64, dev), on_device(rep_ids, torch.int64, dev))
-        vals = logits[at]  # [m] float32
+        at = on_device([r * vocab + t for r, t in zip(rep_rows, rep_ids, strict=True)],
+                       torch.int64, dev)
+        vals = flat.index_select(0, at)  # [m] float32
         by = on_device(rep_by, torch.float32, dev)
-        logits[at] = torch.where(vals > 0, vals / by, vals * by)
+        flat.index_copy_(0, at, torch.where(vals > 0, vals / by, vals * by))
     if sub_ids:
-        at = (on_device(sub_rows, torch.int64, dev), on_device(sub_ids, torch.int64, dev))
-        logits.index_put_(at, -on_device(sub_by, torch.float32, dev), accumulate=True)
+        at = on_device([r * vocab + t for r, t in zip(sub_rows, sub_ids, strict=True)],
+                       torch.int64, dev)
+        flat.index_add_(0, at, -on_device(sub_by, torch.float32, dev))
 
 
 def apply_mask_words(logits: torch.Tensor, words: torch.Tensor) -> None:

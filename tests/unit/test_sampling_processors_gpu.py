@@ -152,3 +152,25 @@ def test_prompt_scores_against_one_position_at_a_time(stories, dtype, chunk, tol
         check_prompt_scores(engine, ids, tolerance)
     finally:
         engine.close()
+
+
+def test_picking_waits_for_nothing_on_the_device(stories):
+    """`Picks.start` with every feature queues its work and copies without a synchronising
+    call (CUDA's sync debug mode raises at one); the step's one wait is `Picks.wait`."""
+    ids = _prompt(stories)
+    engine = _cuda(stories, "bfloat16")
+    try:
+        rows = tuple(Row(tuple(ids), 0, tuple(range(16 * i, 16 * i + 16))) for i in range(4))
+        engine.read(engine.launch(Batch(rows, keep_logits=True)))
+        specs = _specs(ids)
+        picks = engine.picks  # type: ignore[attr-defined]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            started = picks.start(specs, has_argmax=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        picked = picks.wait(started)
+        assert picked.picks[3] == 77 and picked.logprobs[0] is not None
+    finally:
+        engine.close()
