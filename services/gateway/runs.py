@@ -130,8 +130,10 @@ class Merged:
         self._queue: asyncio.Queue[tuple[int, Piece | Outcome | Exception]] = \
             asyncio.Queue(maxsize=4 * len(jobs))
         self._streams = [events_of(upstream, job, timeout_s) for job in jobs]
-        self._tasks = [asyncio.get_running_loop().create_task(self._pump(job.index, events))
-                       for job, events in zip(jobs, self._streams, strict=True)]
+        # one stream is read where it is asked for: no task and no queue on its per-token path
+        self._tasks = [] if len(jobs) == 1 else [
+            asyncio.get_running_loop().create_task(self._pump(job.index, events))
+            for job, events in zip(jobs, self._streams, strict=True)]
 
     async def _pump(self, index: int, events: AsyncIterator[Piece | Outcome]) -> None:
         try:
@@ -145,7 +147,14 @@ class Merged:
             await self._queue.put((index, exc))
 
     async def next(self) -> tuple[int, Piece | Outcome | Exception]:
-        return await self._queue.get()
+        if self._tasks:
+            return await self._queue.get()
+        try:
+            return 0, await anext(self._streams[0])
+        except StopAsyncIteration:
+            return 0, Internal("the Generate stream ended without a final report")
+        except Exception as exc:  # a ServiceError, or a bug (500)
+            return 0, exc
 
     async def close(self) -> None:
         for task in self._tasks:
