@@ -62,11 +62,15 @@ class ToolPlan:
             return Constraint("json_schema", self.tool(self.name).parameters, "tool_choice")
         if self.mode != "required":
             return None
+        defs: dict[str, Any] = {}
         calls = [{"type": "object", "properties": {
             "name": {"type": "string", "enum": [t.name]},
-            "arguments": json.loads(t.parameters)}, "required": ["name", "arguments"],
-            "additionalProperties": False} for t in self.tools]
+            "arguments": _hoist(json.loads(t.parameters), t.name, defs)},
+            "required": ["name", "arguments"], "additionalProperties": False}
+            for t in self.tools]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if defs:
+            schema["$defs"] = defs
         if not self.is_parallel:
             schema["maxItems"] = 1
         return Constraint("json_schema", json.dumps(schema, separators=(",", ":")),
@@ -106,6 +110,31 @@ class ToolCall:
         head = {} if index is None else {"index": index}
         return {**head, "id": self.id, "type": "function",
                 "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _hoist(parameters: Any, tool: str, defs: dict[str, Any]) -> Any:
+    """A tool's parameters schema placed inside another: its definitions ($defs, or the
+    older definitions) move to `defs` under names prefixed with the tool's, and its local
+    references follow them (a "#/$defs/..." reference is resolved from the document's root,
+    which is no longer the tool's schema)."""
+    if not isinstance(parameters, dict):
+        return parameters
+    local = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
+    if not local:
+        return parameters
+    renamed = {f"#/{where}/{key}": f"#/$defs/{tool}.{key}"
+               for where in ("$defs", "definitions") for key in local}
+
+    def fix(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: (renamed.get(v, v) if k == "$ref" and isinstance(v, str) else fix(v))
+                    for k, v in node.items()}
+        if isinstance(node, list):
+            return [fix(item) for item in node]
+        return node
+
+    defs.update({f"{tool}.{key}": fix(value) for key, value in local.items()})
+    return fix({k: v for k, v in parameters.items() if k not in ("$defs", "definitions")})
 
 
 def tool_plan_of(body: dict[str, Any]) -> ToolPlan | None:

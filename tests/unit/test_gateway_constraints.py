@@ -135,6 +135,23 @@ def test_required_constrains_to_calls_whose_arguments_match_their_tool() -> None
     assert json.loads(str(single.constraint.value))["maxItems"] == 1
 
 
+def test_required_keeps_each_tools_definitions_reachable() -> None:
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    tools = [{"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "$defs": {"Point": point if name == "move" else {"type": "string"}},
+        "properties": {"to": {"$ref": "#/$defs/Point"}}, "required": ["to"]}}}
+        for name in ("move", "say")]
+    call = parse_chat({**CHAT, "tools": tools, "tool_choice": "required"})
+    assert call.constraint is not None
+    schema = json.loads(str(call.constraint.value))
+    jsonschema.validate([{"name": "move", "arguments": {"to": {"x": 1}}},
+                         {"name": "say", "arguments": {"to": "hello"}}], schema)
+    for wrong in ([{"name": "move", "arguments": {"to": "hello"}}],
+                  [{"name": "say", "arguments": {"to": {"x": 1}}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+
+
 def test_auto_describes_the_tools_and_earlier_calls_are_text() -> None:
     call = parse_chat({**CHAT, "tools": [WEATHER], "messages": [
         {"role": "system", "content": "Be brief."},
