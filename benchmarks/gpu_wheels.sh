@@ -21,5 +21,6 @@ python3 -m pip download -q --dest .whl --only-binary=:all: --no-deps \
     "opentelemetry-exporter-otlp-proto-common==$OTEL" "opentelemetry-proto==$OTEL" \
     "opentelemetry-semantic-conventions==$OTEL_SEMCONV" googleapis-common-protos \
     importlib-metadata zipp prometheus-client tqdm pillow pyyaml typing-extensions \
-    pytest pluggy iniconfig packaging pytest-timeout
+    pytest pluggy iniconfig packaging pytest-timeout \
+    jsonschema jsonschema-specifications referencing rpds-py attrs
 du -sh .whl

@@ -253,8 +253,9 @@ class Scheduler:
         seq.kept_rows = [h for h in seq.kept_rows if h.start_position + len(h.states) > lo]
 
     def _commit(self, seq: SequenceState, launch: int) -> None:
-        """Name the full pages of `seq` whose tokens are known and computed."""
-        if self.cache is None:
+        """Name the full pages of `seq` whose tokens are known and computed (not those of a
+        request scoring its prompt: its passes may round differently from plain prefill)."""
+        if self.cache is None or seq.prompt_scores is not None:
             return
         upto = min(seq.computed, len(seq.known))
         if not seq.req.cache_generated:
