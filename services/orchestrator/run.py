@@ -138,7 +138,8 @@ class RequestRun:
                 raise item
             if item.status == pb.MEMBER_STATUS_ENDED:
                 by_stage[stage_id].is_ended = True
-            if stage_id in sink_ports and (item.token_ids or item.text):
+            if stage_id in sink_ports and (item.token_ids or item.text or item.prompt_logprobs):
+                # (prompt log-probabilities come alone when the first pick ends the request)
                 if not self.has_first_token:
                     self.has_first_token = True
                     trace.get_current_span(self.trace_ctx).add_event(
