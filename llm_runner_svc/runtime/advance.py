@@ -187,8 +187,7 @@ class SequenceAdvance:
             ev.prompt_logprobs = list(seq.prompt_scores)
             seq.scores_sent = True
         for i, token in enumerate(tokens):
-            if logprobs and i < len(logprobs) and \
-                    (token not in self._eos or seq.req.ignore_eos):  # (a token it keeps)
+            if logprobs and i < len(logprobs):  # (an ending EOS's too: the last entry)
                 ev.logprobs.append(logprobs[i])
             self._accept(seq, token, ev, end - len(tokens) + 1 + i)
             if seq.finish_reason is not None:

@@ -124,7 +124,8 @@ class StepEvent:
     metrics: RequestMetrics | None = None
     hidden: list[HiddenStates] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry,
-    # when the request asked (SamplingParams.logprobs)
+    # when the request asked (SamplingParams.logprobs), and on the event that ends it at an
+    # end-of-sequence token one more, last: that token's (not among token_ids)
     prompt_logprobs: list[TokenLogprob] | None = None  # once, on the first event with
     # tokens, when asked: one per prompt token from the second on
 

@@ -77,11 +77,11 @@ def test_the_cli_constrains_and_reports_logprobs(deployment: Deployment,
     assert "REFUSAL_STRUCTURED_OUTPUT" in capsys.readouterr().err
 
 
-def test_prompt_logprobs_arrive_when_the_first_pick_ends_the_request(
+def test_log_probabilities_arrive_when_the_first_pick_ends_the_request(
         deployment: Deployment) -> None:
     eos = 2  # stories260K's end of sequence, made the certain first pick by the bias
     request = opb.GenerateRequest(request=pb.GenerationRequest(
-        text="Once upon a time", prompt_logprobs=0, logit_bias={eos: 100.0},
+        text="Once upon a time", prompt_logprobs=0, logprobs=0, logit_bias={eos: 100.0},
         sampling=pb.SamplingOverrides(temperature=0.0, max_tokens=1)))
     events = list(deployment.stub.Generate(request, timeout=60))
     deltas = [ev.delta for ev in events if ev.HasField("delta")]
@@ -89,3 +89,5 @@ def test_prompt_logprobs_arrive_when_the_first_pick_ends_the_request(
     assert final.finish_reason == pb.FINISH_REASON_END_OF_SEQUENCE
     assert final.usage.completion_tokens == 0
     assert sum(len(d.prompt_logprobs) for d in deltas) == final.usage.prompt_tokens - 1
+    # the ending token's log-probability comes last, though it is not among the token ids
+    assert [lp.token_id for d in deltas for lp in d.logprobs] == [eos]
