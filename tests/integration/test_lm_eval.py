@@ -108,10 +108,6 @@ def _encode_pair(url: str, context: str, continuation: str) -> tuple[list[int], 
     return context_ids, whole[len(context_ids):]
 
 
-@pytest.mark.xfail(strict=True, reason="a choice after which the model's likeliest token is "
-                   "its end of turn scores 0: a request whose first pick is the end-of-sequence "
-                   "token ends with no delta, so its prompt's log-probabilities never reach "
-                   "the gateway")
 def test_choice_loglikelihoods_match_transformers(results: dict[str, Any]) -> None:
     samples = sorted(results["samples"]["llmstage_mc"], key=lambda s: s["doc_id"])
     questions = [json.loads(line) for line in
