@@ -125,9 +125,6 @@ def test_a_batch_of_prompts_each_generating_one_token(gateway_url: str, referenc
         assert got[-1] == pytest.approx(float(ref[-1].max()), abs=ATOL)
 
 
-@pytest.mark.xfail(strict=True, reason="a request whose first pick is the end-of-sequence "
-                   "token ends with no delta: its prompt's log-probabilities (and the end "
-                   "token's) never reach the gateway")
 def test_a_prompt_followed_by_the_end_of_turn(gateway_url: str, reference) -> None:
     """The prompt's scores come back whole whatever the token after it is; with max_tokens 1
     the end token is there with its log-probability (lm-eval drops the last entry as the
