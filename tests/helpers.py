@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from llm_runner_svc.engines import create_engine
+from llm_runner_svc.engines import create_engine, engine_class
 from llm_runner_svc.models import Model
 from llm_runner_svc.runtime import GenerationRequest, InferenceRuntime, RuntimeConfig, resolve
 
 # The engine the runtime and stage tests run on; CI runs them again with LLM_TEST_ENGINE=onnx.
 TEST_ENGINE = os.environ.get("LLM_TEST_ENGINE", "numpy")
+# whether it gives prompt log-probabilities (the graph engines' graphs keep last logits only)
+TEST_ENGINE_SCORES = engine_class(TEST_ENGINE).supports_scores
 
 
 def make_runtime(model: Model, **cfg) -> InferenceRuntime:

@@ -46,11 +46,18 @@ def create_engine(name: str, config: ModelConfig, weights: ModelWeights,
     """Build the engine registered as `name`; an unknown name lists the valid ones.
     `options` go to engines that take them (tensorrt: build_dir, runtime_cache; synthetic:
     step_ms, token_us)."""
+    cls: Any = engine_class(name)  # (the concrete classes take the model)
+    engine: Engine = cls(config, weights, **options)
+    return engine
+
+
+def engine_class(name: str) -> type[Engine]:
+    """The class registered as `name` (its supports_* flags say what it serves); an unknown
+    name lists the valid ones."""
     target = _REGISTRY.get(name)
     if target is None:
         raise InvalidArgument(
             f"unknown engine {name!r}; valid engines: {', '.join(engine_names())}")
     module_name, cls_name = target.split(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    engine: Engine = cls(config, weights, **options)
-    return engine
+    cls: type[Engine] = getattr(importlib.import_module(module_name), cls_name)
+    return cls

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from helpers import TEST_ENGINE_SCORES
 from stage_harness import StageServer
 
 from services.contract.llmstage.v1 import stage_pb2 as pb
@@ -42,7 +43,13 @@ def _updates(srv: StageServer, slots: set[int]) -> dict[int, list[pb.MemberUpdat
 
 
 def test_one_logprob_per_token_and_the_prompts_once(server: StageServer) -> None:
-    num_prompt = _admit(server, 1, logprobs=3, prompt_logprobs=2)
+    if not TEST_ENGINE_SCORES:  # refused at Admit, naming the field; the rest still holds
+        req = pb.GenerationRequest(text=PROMPT, prompt_logprobs=2)
+        ans = server.stub.Admit(pb.AdmitRequest(slot_id=9, request=req))
+        assert not ans.admitted and ans.refusal == pb.REFUSAL_SAMPLING_OUT_OF_RANGE
+        assert "prompt_logprobs" in ans.reason
+    num_prompt = _admit(server, 1, logprobs=3,
+                        **({"prompt_logprobs": 2} if TEST_ENGINE_SCORES else {}))
     _admit(server, 2)
     got = _updates(server, {1, 2})
     asked, plain = got[1], got[2]
@@ -59,6 +66,10 @@ def test_one_logprob_per_token_and_the_prompts_once(server: StageServer) -> None
             assert math.isclose(lp.logprob, lp.top_logprobs[0], abs_tol=1e-5)
     with_prompt = [m for m in asked if m.prompt_logprobs]
     first_with_tokens = next(m for m in asked if m.token_ids)
+    if not TEST_ENGINE_SCORES:
+        assert not with_prompt
+        assert [t for m in plain for t in m.token_ids] == tokens
+        return
     assert with_prompt == [first_with_tokens]
     prompt = with_prompt[0].prompt_logprobs
     assert len(prompt) == num_prompt - 1  # the first token has nothing before it
